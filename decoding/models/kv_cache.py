@@ -1,0 +1,36 @@
+"""Static KV cache addressed by (row, slot).
+
+Every row keeps its own length: a speculative step writes a block of draft tokens at per-row slots
+(under a tree mask), and `move` then copies the accepted path's K/V into contiguous slots. Layout is
+[B, S, H, D] so a per-row scatter is one index_put.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+
+class KVCache(nn.Module):
+    def __init__(self, batch: int, seq_len: int, n_head: int, head_dim: int, dtype, device=None):
+        super().__init__()
+        shape = (batch, seq_len, n_head, head_dim)
+        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("rows", torch.arange(batch, device=device)[:, None], persistent=False)
+
+    @property
+    def seq_len(self) -> int:
+        return self.k.shape[1]
+
+    def update(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        """slots [B, T]; k, v [B, T, H, D]. Returns the whole cache (k, v) [B, S, H, D]."""
+        rows = self.rows[: slots.shape[0]]
+        self.k[rows, slots] = k.to(self.k.dtype)
+        self.v[rows, slots] = v.to(self.v.dtype)
+        return self.k[: slots.shape[0]], self.v[: slots.shape[0]]
+
+    def move(self, src: torch.Tensor, dst: torch.Tensor):
+        """Copy entries at slots src [B, A] to slots dst [B, A], per row (gather first: ranges may overlap)."""
+        rows = self.rows[: src.shape[0]]
+        self.k[rows, dst] = self.k[rows, src].clone()
+        self.v[rows, dst] = self.v[rows, src].clone()

@@ -1,0 +1,152 @@
+"""The batch job: `python -m workflows.generate [engine=...] [data=...] [out_dir=...] [seed=...]`.
+
+Reads the prompts, skips those already committed in out_dir, shards the rest into batches and runs
+them on Ray generator actors (a local Ray unless cluster.address is set). Every bad setting fails here,
+before Ray starts, with one line naming the field.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+import hydra  # noqa: E402
+from omegaconf import DictConfig, OmegaConf  # noqa: E402
+
+from workflows.config import ConfigError, DataConfig, register  # noqa: E402
+
+log = logging.getLogger("arspec.job")
+register()
+
+
+def fingerprint(c: dict) -> dict:
+    """The settings that decide the images: a rerun on the same out_dir must match them."""
+    data = {k: c["data"][k] for k in ("name", "path", "prompt_column", "id_column", "builtin_count")}
+    model = {k: v for k, v in c["model"].items() if k != "device"}
+    return {"model": model, "engine": c["engine"], "data": data, "seed": c["seed"]}
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
+
+
+def check_out_dir(out_dir: Path, fp: dict) -> None:
+    path = out_dir / "job.json"
+    if not path.exists():
+        out_dir.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(fp, indent=2))
+        return
+    old, new = _flat(json.loads(path.read_text())), _flat(fp)
+    diffs = [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
+    if diffs:
+        raise ConfigError(f"out_dir={out_dir} was written by a different config ({'; '.join(diffs[:3])}); "
+                          f"use a new out_dir or the same settings")
+
+
+def validate(c: dict) -> None:
+    """Build the model and engine once in the driver: a bad setting fails before any actor starts."""
+    from actors.generator import load_model
+    from decoding.engines import build_engine
+    cl = c["cluster"]
+    for key in ("num_actors", "batch_size"):
+        if cl[key] < 1:
+            raise ConfigError(f"cluster.{key}={cl[key]}: must be >= 1")
+    if cl["num_cpus_per_actor"] <= 0 and cl["num_gpus_per_actor"] <= 0:
+        raise ConfigError("cluster.num_cpus_per_actor and cluster.num_gpus_per_actor are both 0: give actors a slot")
+    try:
+        bundle = load_model(c["model"], "cpu")
+        build_engine(bundle, c["engine"])
+    except FileNotFoundError as e:
+        raise ConfigError(str(e)) from None
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def start_ray(cl: dict) -> bool:
+    """Attach to cluster.address, or start a local Ray. Returns whether we started it."""
+    import ray
+    if ray.is_initialized():
+        return False
+    if cl["address"]:
+        ray.init(address=cl["address"])
+        return True
+    need = math.ceil(cl["num_actors"] * cl["num_cpus_per_actor"])
+    ray.init(num_cpus=cl["local_num_cpus"] or max(need, os.cpu_count() or 1),
+             num_gpus=None if cl["num_gpus_per_actor"] else 0, include_dashboard=False)
+    return True
+
+
+def summarize(results: list[dict], c: dict, total: int, already: int, seconds: float) -> dict:
+    images = sum(r["images"] for r in results)
+    errors = sum(r["errors"] for r in results)
+    taus = [t for r in results for t in r["tau"]]
+    walls = [w for r in results for w in r["wall_s"]]
+    gen = sum(r["gen_s"] for r in results)
+    return {"engine": c["engine"]["name"], "acceptance": c["engine"]["acceptance"], "prompts": total,
+            "already_done": already, "images": images, "errors": errors, "seconds": round(seconds, 2),
+            "images_per_s": round(images / seconds, 3) if seconds > 0 else None,
+            "mean_accept_len": round(sum(taus) / len(taus), 3) if taus else None,
+            "engine_s_per_image": round(sum(walls) / len(walls), 4) if walls else None,
+            "overhead_fraction": round(1 - gen / max(gen + sum(r["write_s"] for r in results), 1e-9), 4)
+            if results else None,
+            "num_actors": c["cluster"]["num_actors"], "batch_size": c["cluster"]["batch_size"],
+            "out_dir": c["out_dir"]}
+
+
+def run(cfg: DictConfig) -> dict:
+    from actors.output import committed, reconcile_manifest
+    from actors.pool import Progress, run_batches
+    from decoding.sampling import prompt_seed
+    from workflows.prompts import read_prompts
+
+    c = OmegaConf.to_container(cfg, resolve=True)
+    items = read_prompts(DataConfig(**c["data"]))
+    validate(c)
+    out_dir = Path(c["out_dir"])
+    check_out_dir(out_dir, fingerprint(c))
+    parts = committed(out_dir)
+    reconcile_manifest(out_dir, parts)
+    done = {pid for ids in parts.values() for pid in ids}
+    pending = [{**it, "seed": prompt_seed(c["seed"], it["prompt_id"])} for it in items if it["prompt_id"] not in done]
+    already = len(items) - len(pending)
+    log.info(f"[generate] {len(items)} prompts, {already} already in {out_dir}, {len(pending)} to generate "
+             f"with engine={c['engine']['name']} on {c['cluster']['num_actors']} actor(s)")
+    t0 = time.time()
+    results = []
+    if pending:
+        bs = c["cluster"]["batch_size"]
+        batches = [pending[i:i + bs] for i in range(0, len(pending), bs)]
+        started = start_ray(c["cluster"])
+        try:
+            results = run_batches(c, out_dir, batches, Progress(len(items), already))
+        finally:
+            if started:
+                import ray
+                ray.shutdown()
+    summary = summarize(results, c, len(items), already, time.time() - t0)
+    (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    log.info("[generate] summary " + json.dumps(summary))
+    return summary
+
+
+@hydra.main(version_base="1.3", config_path="../conf", config_name="generate")
+def main(cfg: DictConfig) -> dict:
+    try:
+        return run(cfg)
+    except ConfigError as e:
+        log.error(f"error: {e}")
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,92 @@
+"""Prompt readers: built-in shapes, Parquet, CSV, TSV (PartiPrompts), JSONL, a JSON list of strings (the
+COCO caption list) or of objects. Text is kept exactly as written; every problem with the file or its
+columns is a ConfigError naming the setting to change."""
+from __future__ import annotations
+
+import csv
+import hashlib
+import json
+from pathlib import Path
+
+import pyarrow.parquet as pq
+
+from decoding.shapes import builtin_prompts
+from workflows.config import ConfigError, DataConfig
+
+PROMPT_COLUMNS = ("prompt", "Prompt", "caption", "text")
+FORMATS = (".parquet", ".csv", ".tsv", ".jsonl", ".json")
+
+
+def derived_id(position: int, text) -> str:
+    """Stable id from position + content, for files without an id column."""
+    digest = hashlib.blake2b(str(text).encode(), digest_size=5).hexdigest()
+    return f"{position:06d}-{digest}"
+
+
+def _read_rows(path: Path) -> list[dict]:
+    suffix = path.suffix.lower()
+    if suffix == ".parquet":
+        return pq.read_table(path).to_pylist()
+    if suffix in (".csv", ".tsv"):
+        with open(path, newline="", encoding="utf-8") as f:
+            if suffix == ".tsv":
+                return list(csv.DictReader(f, delimiter="\t", quoting=csv.QUOTE_NONE))
+            return list(csv.DictReader(f))
+    if suffix == ".jsonl":
+        with open(path, encoding="utf-8") as f:
+            return [json.loads(line) for line in f if line.strip()]
+    data = json.loads(path.read_text(encoding="utf-8"))
+    if not isinstance(data, list):
+        raise ValueError("a .json prompt file must hold a list of strings or of objects")
+    return [{"prompt": x} if isinstance(x, str) else x for x in data]
+
+
+def read_prompts(cfg: DataConfig) -> list[dict]:
+    """-> [{"prompt_id": str, "prompt": str | None}] in file order, at most cfg.limit of them."""
+    if cfg.limit is not None and cfg.limit < 0:
+        raise ConfigError(f"data.limit={cfg.limit}: must be >= 0, or null for all prompts")
+    if cfg.name == "shapes":
+        rows = builtin_prompts(cfg.builtin_count)
+    elif cfg.name == "file":
+        rows = _read_file(cfg)
+    else:
+        raise ConfigError(f"data.name={cfg.name!r}: use 'shapes' (built-in) or 'file' with data.path=...")
+    return rows[: cfg.limit] if cfg.limit is not None else rows
+
+
+def _read_file(cfg: DataConfig) -> list[dict]:
+    if not cfg.path:
+        raise ConfigError("data.path is not set: point it at a prompt file (Parquet, CSV, TSV, JSONL or JSON)")
+    path = Path(cfg.path).expanduser()
+    if not path.is_file():
+        raise ConfigError(f"data.path={cfg.path}: no such file")
+    if path.suffix.lower() not in FORMATS:
+        raise ConfigError(f"data.path={cfg.path}: unknown format {path.suffix!r}; use one of {', '.join(FORMATS)}")
+    try:
+        rows = _read_rows(path)
+    except Exception as e:  # any parse failure is a bad input file
+        raise ConfigError(f"data.path={cfg.path}: cannot read it as {path.suffix}: {type(e).__name__}: "
+                          f"{str(e).splitlines()[0] if str(e) else ''}") from None
+    if not rows:
+        return []
+    columns = list(rows[0].keys())
+    prompt_col = cfg.prompt_column or next((c for c in PROMPT_COLUMNS if c in columns), None)
+    if prompt_col is None or prompt_col not in columns:
+        raise ConfigError(f"data.prompt_column={prompt_col!r}: no such column in {cfg.path}; "
+                          f"columns are {columns}")
+    if cfg.id_column is not None and cfg.id_column not in columns:
+        raise ConfigError(f"data.id_column={cfg.id_column!r}: no such column in {cfg.path}; columns are {columns}")
+    out = []
+    for i, r in enumerate(rows):
+        text = r.get(prompt_col)
+        pid = str(r[cfg.id_column]) if cfg.id_column else derived_id(i, text)
+        out.append({"prompt_id": pid, "prompt": text})
+    seen, dups = set(), []
+    for r in out:
+        if r["prompt_id"] in seen:
+            dups.append(r["prompt_id"])
+        seen.add(r["prompt_id"])
+    if dups:
+        raise ConfigError(f"data.id_column={cfg.id_column!r}: {len(dups)} duplicate ids in {cfg.path} "
+                          f"(first: {dups[0]!r}); ids must be unique, or leave data.id_column unset")
+    return out

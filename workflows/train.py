@@ -1,0 +1,60 @@
+"""Train the built-in shapes models: `python -m workflows.train [stages=[vq,gpt,scorer,drafter]]`.
+
+Each stage reads the outputs of the stages before it from out_dir and writes one safetensors file;
+a report with every stage's final metrics goes to out_dir/train_report.json.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+
+import hydra
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from decoding.bundle import SHAPES_DIR
+
+log = logging.getLogger("arspec.train")
+
+
+def stage_fns():
+    from workflows.training.gpt import train_gpt
+    from workflows.training.scorer import train_scorer
+    from workflows.training.vq import train_vq
+    fns = {"vq": train_vq, "gpt": train_gpt, "scorer": train_scorer}
+    try:
+        from workflows.training.drafter import train_drafter
+        fns["drafter"] = train_drafter
+    except ImportError:
+        pass
+    return fns
+
+
+@hydra.main(version_base="1.3", config_path="../conf", config_name="train")
+def main(cfg: DictConfig) -> None:
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    out_dir = Path(cfg.out_dir) if cfg.out_dir else SHAPES_DIR
+    fns = stage_fns()
+    unknown = [s for s in cfg.stages if s not in fns]
+    if unknown:
+        raise SystemExit(f"stages={list(cfg.stages)}: unknown {unknown}; choose from {list(fns)}")
+    report_path = out_dir / "train_report.json"
+    report = json.loads(report_path.read_text()) if report_path.exists() else {}
+    for name in cfg.stages:
+        t0 = time.time()
+        log.info(f"stage {name}: starting")
+        metrics = fns[name](cfg[name], out_dir)
+        report[name] = {"metrics": metrics, "config": OmegaConf.to_container(cfg[name], resolve=True),
+                        "command": "python -m workflows.train " + " ".join(sys.argv[1:]),
+                        "torch": torch.__version__, "threads": torch.get_num_threads(),
+                        "minutes": round((time.time() - t0) / 60, 1)}
+        report_path.write_text(json.dumps(report, indent=2))
+        log.info(f"stage {name}: done in {(time.time() - t0) / 60:.1f} min -> {out_dir}")
+
+
+if __name__ == "__main__":
+    main()
