@@ -47,6 +47,10 @@ def train_vq(cfg, out_dir) -> dict:
 
     def step(i):
         x = to_float(train[torch.randint(len(train), (cfg.batch,), generator=gen)])
+        if cfg.crop:  # random crops (multiples of the token size): same convolutions, a fraction of the cost
+            g = args.downsample
+            r, c = (int(v) * g for v in torch.randint(0, (x.shape[2] - cfg.crop) // g + 1, (2,), generator=gen))
+            x = x[:, :, r:r + cfg.crop, c:c + cfg.crop]
         if i and i % cfg.restart_every == 0:  # dead codes -> random current latents
             dead = (usage == 0).nonzero().flatten()
             if len(dead):
