@@ -47,6 +47,11 @@ class Generator:
     def pid(self) -> int:
         return os.getpid()
 
+    @staticmethod
+    def node() -> str:
+        import ray
+        return ray.get_runtime_context().get_node_id() if ray.is_initialized() else "local"
+
     def generate(self, items: list[dict]):
         """items: [{prompt_id, prompt, seed}] -> engine results, raising if any prompt fails."""
         cond = self.bundle.conditions([it["prompt"] for it in items])
@@ -74,7 +79,7 @@ class Generator:
         return {"part": part, "prompt_ids": [it["prompt_id"] for it in items], "images": len(done),
                 "errors": len(failed), "gen_s": gen_s, "write_s": time.perf_counter() - t0 - gen_s,
                 "tau": [r.mean_accept_len for _, r in done], "wall_s": [r.wall_s for _, r in done],
-                "error_messages": [m for _, m in failed]}
+                "error_messages": [m for _, m in failed], "node": self.node(), "pid": os.getpid()}
 
     def _tables(self, done, part: str) -> tuple[pa.Table, pa.Table]:
         e, b = self.engine, self.bundle

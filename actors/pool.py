@@ -61,7 +61,8 @@ def _error_part(out_dir: Path, part: str, items: list[dict], engine: str, reason
     write_part(out_dir, part, IMAGE_SCHEMA.empty_table(), TOKEN_SCHEMA.empty_table(),
                pa.Table.from_pylist(rows, schema=ERROR_SCHEMA))
     return {"part": part, "prompt_ids": [it["prompt_id"] for it in items], "images": 0, "errors": len(items),
-            "gen_s": 0.0, "write_s": 0.0, "tau": [], "wall_s": [], "error_messages": [reason] * len(items)}
+            "gen_s": 0.0, "write_s": 0.0, "tau": [], "wall_s": [], "error_messages": [reason] * len(items),
+            "node": None, "pid": None}
 
 
 def run_batches(cfg: dict, out_dir: Path, batches: list[list[dict]], progress: Progress) -> list[dict]:

@@ -82,9 +82,10 @@ class ModelBundle:
 
     @torch.no_grad()
     def decode(self, tokens: torch.Tensor) -> np.ndarray:
-        """Code indices [B, grid²] -> uint8 images [B, H, W, 3]."""
-        shape = [tokens.shape[0], self.vq.args.codebook_embed_dim, self.grid, self.grid]
-        x = self.vq.decode_code(tokens.to(self.device), shape).float()
+        """Code indices [B, grid²] -> uint8 images [B, H, W, 3]. One image at a time: convolution
+        numerics depend on the batch size, and an image's bytes must not depend on its batch."""
+        shape = [1, self.vq.args.codebook_embed_dim, self.grid, self.grid]
+        x = torch.cat([self.vq.decode_code(t[None].to(self.device), shape).float() for t in tokens])
         return ((x.clamp(-1, 1) + 1) * 127.5).round().byte().permute(0, 2, 3, 1).cpu().numpy()
 
     def autocast(self):

@@ -46,10 +46,42 @@ def shipped(*names) -> bool:
     return all((SHAPES_DIR / f"{n}.safetensors").exists() for n in names)
 
 
+def write_tiny_weights(d: Path, grid: int = 4, seed: int = 0) -> Path:
+    """A random shapes-format bundle (VQ, t2i GPT, word-level text encoder, drafter) that generates an
+    8x8 image in milliseconds: the job's plumbing is tested on it, the shipped model end to end."""
+    from decoding.checkpoint import save_module
+    from decoding.models.text import TextArgs, TextEncoder
+    from workflows.training.gpt import shapes_vocab
+    torch.manual_seed(seed)
+    vq_args = VQArgs(codebook_size=16, codebook_embed_dim=4, ch=32, ch_mult=[1, 2], z_channels=32, num_res_blocks=1)
+    text_args = TextArgs(vocab=shapes_vocab(), max_len=6, dim=16, n_layer=1, n_head=2)
+    gpt_args = GPTArgs(dim=32, n_layer=1, n_head=2, vocab_size=16, block_size=grid * grid, model_type="t2i",
+                       caption_dim=16, cls_token_num=6)
+    gpt = GPT(gpt_args)
+    for p in gpt.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    d.mkdir(parents=True, exist_ok=True)
+    save_module(VQModel(vq_args), d / "vq.safetensors", "vq", vq_args.to_dict(), dtype=torch.float32)
+    save_module(TextEncoder(text_args), d / "text.safetensors", "text", text_args.to_dict(), dtype=torch.float32)
+    save_module(gpt, d / "gpt.safetensors", "gpt", gpt_args.to_dict(), dtype=torch.float32)
+    drafter = Drafter(DrafterArgs.for_target(gpt_args))
+    save_module(drafter, d / "drafter.safetensors", "drafter", drafter.args.to_dict(), dtype=torch.float32)
+    return d
+
+
 @pytest.fixture(scope="session")
-def ray_session():
-    """One local Ray for every test that needs it (started on first use)."""
+def tiny_weights(tmp_path_factory):
+    return write_tiny_weights(tmp_path_factory.mktemp("tiny-weights"))
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """The one Ray instance of the test run: a 2-node ray.cluster_utils.Cluster on this machine."""
     import ray
-    if not ray.is_initialized():
-        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    yield ray
+    from ray.cluster_utils import Cluster
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
+    cluster.add_node(num_cpus=2)
+    ray.init(address=cluster.address, log_to_driver=False)
+    yield cluster
+    ray.shutdown()
+    cluster.shutdown()

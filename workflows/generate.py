@@ -55,7 +55,9 @@ def check_out_dir(out_dir: Path, fp: dict) -> None:
 def validate(c: dict) -> None:
     """Build the model and engine once in the driver: a bad setting fails before any actor starts."""
     from actors.generator import load_model
-    from decoding.engines import build_engine
+    from decoding.engines import ENGINES, build_engine
+    if c["engine"]["name"] not in ENGINES:
+        raise ConfigError(f"engine.name={c['engine']['name']!r} is not an engine: choose one of {sorted(ENGINES)}")
     cl = c["cluster"]
     for key in ("num_actors", "batch_size"):
         if cl[key] < 1:
@@ -99,6 +101,7 @@ def summarize(results: list[dict], c: dict, total: int, already: int, seconds: f
             "overhead_fraction": round(1 - gen / max(gen + sum(r["write_s"] for r in results), 1e-9), 4)
             if results else None,
             "num_actors": c["cluster"]["num_actors"], "batch_size": c["cluster"]["batch_size"],
+            "nodes": len({r["node"] for r in results if r["node"]}),
             "out_dir": c["out_dir"]}
 
 

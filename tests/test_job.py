@@ -1,0 +1,174 @@
+"""The batch job on real Ray (a 2-node ray.cluster_utils.Cluster): sharding, resume, faults, bad input."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from hydra import compose, initialize_config_dir
+
+from tests.conftest import REPO
+from workflows.config import ConfigError
+from workflows.generate import run
+
+TINY = ["engine.cfg_scale=2.0"]
+
+
+def job(*overrides) -> dict:
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        return run(compose("generate", overrides=list(overrides)))
+
+
+def images(out: Path) -> pd.DataFrame:
+    return pq.read_table(out / "images").to_pandas()
+
+
+def image_bytes(out: Path) -> dict:
+    df = images(out)
+    return {pid: img["bytes"] for pid, img in zip(df.prompt_id, df.image)}
+
+
+def base(tiny_weights, out, *extra):
+    return [f"model.weights_dir={tiny_weights}", f"out_dir={out}", *TINY, *extra]
+
+
+def test_two_actors_on_two_nodes_and_identical_bytes_for_any_sharding(ray_cluster, tiny_weights, tmp_path):
+    one = job(*base(tiny_weights, tmp_path / "one", "data.limit=12", "cluster.batch_size=1", "cluster.num_actors=1"))
+    two = job(*base(tiny_weights, tmp_path / "two", "data.limit=12", "cluster.batch_size=4", "cluster.num_actors=2",
+                    "cluster.num_cpus_per_actor=2"))
+    assert one["images"] == two["images"] == 12 and two["nodes"] == 2
+    tokens = [pq.read_table(tmp_path / d / "tokens").to_pandas().sort_values(["prompt_id", "token_index"])
+              for d in ("one", "two")]
+    assert tokens[0].token_id.tolist() == tokens[1].token_id.tolist()
+    a, b = image_bytes(tmp_path / "one"), image_bytes(tmp_path / "two")
+    assert a == b and len(a) == 12
+    tok = pq.read_table(tmp_path / "two" / "tokens").to_pandas()
+    assert len(tok) == 12 * 16 and tok.groupby("prompt_id").token_index.nunique().eq(16).all()
+
+
+def test_rerun_resumes_and_writes_every_prompt_once(ray_cluster, tiny_weights, tmp_path):
+    out = tmp_path / "run"
+    first = job(*base(tiny_weights, out, "data.limit=6", "cluster.batch_size=4"))
+    second = job(*base(tiny_weights, out, "data.limit=14", "cluster.batch_size=4"))
+    third = job(*base(tiny_weights, out, "data.limit=14", "cluster.batch_size=4"))
+    assert (first["images"], second["already_done"], second["images"], third["images"]) == (6, 6, 8, 0)
+    df = images(out)
+    assert len(df) == 14 and df.prompt_id.is_unique
+    manifest = [json.loads(x) for x in (out / "manifest.jsonl").read_text().splitlines()]
+    assert sorted(pid for e in manifest for pid in e["prompt_ids"]) == sorted(df.prompt_id)
+
+
+def test_other_engine_on_same_out_dir_is_refused(ray_cluster, tiny_weights, tmp_path):
+    out = tmp_path / "run"
+    job(*base(tiny_weights, out, "data.limit=2"))
+    with pytest.raises(ConfigError, match=r"written by a different config \(engine.*vanilla.*eagle2"):
+        job(*base(tiny_weights, out, "data.limit=2", "engine=eagle2"))
+
+
+def _generator_pids() -> list[int]:
+    pids = []
+    for p in Path("/proc").iterdir():
+        try:
+            if p.name.isdigit() and b"ray::Generator" in (p / "cmdline").read_bytes():
+                pids.append(int(p.name))
+        except OSError:
+            continue
+    return pids
+
+
+def _when_parts(out: Path, n: int, action, timeout: float = 120):
+    def watch():
+        t0 = time.time()
+        while time.time() - t0 < timeout:
+            if len(list((out / "images").glob("*.parquet"))) >= n:
+                action()
+                return
+            time.sleep(0.05)
+    th = threading.Thread(target=watch, daemon=True)
+    th.start()
+    return th
+
+
+def test_killed_actor_is_replaced_and_its_batch_retried(ray_cluster, tiny_weights, tmp_path):
+    out = tmp_path / "run"
+    killed = []
+
+    def kill():
+        pids = _generator_pids()
+        if pids:
+            os.kill(pids[0], signal.SIGKILL)
+            killed.append(pids[0])
+    th = _when_parts(out, 2, kill)
+    summary = job(*base(tiny_weights, out, "data.limit=40", "cluster.batch_size=2", "cluster.num_actors=2",
+                        "engine=eagle2"))
+    th.join()
+    assert killed, "no actor was killed"
+    df = images(out)
+    assert summary["errors"] == 0 and len(df) == 40 and df.prompt_id.is_unique
+    assert len({p for p in df.part}) == 20
+
+
+def _cli(*args, timeout=300):
+    return subprocess.run([sys.executable, "-m", "workflows.generate", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=REPO, env={**os.environ, "HYDRA_FULL_ERROR": "0"})
+
+
+def test_killed_driver_resumes_with_no_duplicates_and_identical_bytes(ray_cluster, tiny_weights, tmp_path):
+    args = [f"model.weights_dir={tiny_weights}", *TINY, "data.limit=30", "cluster.batch_size=2",
+            f"cluster.address={ray_cluster.address}", "engine=adt_tree"]
+    proc = subprocess.Popen([sys.executable, "-m", "workflows.generate", *args, f"out_dir={tmp_path / 'cut'}"],
+                            cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    t0 = time.time()
+    while len(list((tmp_path / "cut" / "images").glob("*.parquet"))) < 3 and time.time() - t0 < 180:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    partial = len(list((tmp_path / "cut" / "images").glob("*.parquet")))
+    assert 3 <= partial < 15, "the driver was not killed mid-job"
+    assert _cli(*args, f"out_dir={tmp_path / 'cut'}").returncode == 0
+    assert _cli(*args, f"out_dir={tmp_path / 'whole'}").returncode == 0
+    cut, whole = images(tmp_path / "cut"), images(tmp_path / "whole")
+    assert len(cut) == 30 and cut.prompt_id.is_unique
+    assert image_bytes(tmp_path / "cut") == image_bytes(tmp_path / "whole")
+    tokens = pq.read_table(tmp_path / "cut" / "tokens").to_pandas()
+    assert len(tokens) == 30 * 16                       # no orphan or duplicate token rows
+
+
+def test_failing_prompts_become_error_rows(ray_cluster, tiny_weights, tmp_path):
+    data = tmp_path / "p.parquet"
+    pq.write_table(pa.Table.from_pylist([{"id": "ok1", "prompt": "a red circle"}, {"id": "empty", "prompt": "   "},
+                                         {"id": "null", "prompt": None}, {"id": "ok2", "prompt": "a dragon"}]), data)
+    s = job(*base(tiny_weights, tmp_path / "run", "data=file", f"data.path={data}", "data.id_column=id",
+                  "cluster.batch_size=4"))
+    assert (s["images"], s["errors"]) == (2, 2)
+    err = pq.read_table(tmp_path / "run" / "errors").to_pandas().set_index("prompt_id")
+    assert set(err.index) == {"empty", "null"} and err.error.str.contains("empty or not text").all()
+    assert set(images(tmp_path / "run").prompt_id) == {"ok1", "ok2"}
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["engine=nope"], "engine"),
+    (["engine.name=nope"], "engine.name='nope' is not an engine"),
+    (["model.weights_dir=/nonexistent"], "model.weights_dir=/nonexistent lacks"),
+    (["data=file", "data.path=/nonexistent.csv"], "data.path=/nonexistent.csv: no such file"),
+    (["data=file", f"data.path={REPO / 'pyproject.toml'}"], "unknown format '.toml'"),
+    (["cluster.batch_size=0"], "cluster.batch_size=0: must be >= 1"),
+    (["engine=adt_tree", "engine.d_max=1"], "d_min <= depth <= d_max"),
+])
+def test_config_errors_fail_at_once_with_one_line(tmp_path, tiny_weights, overrides, message):
+    r = _cli(f"model.weights_dir={tiny_weights}", *overrides, f"out_dir={tmp_path / 'run'}", timeout=120)
+    assert r.returncode != 0
+    lines = [x for x in r.stderr.strip().splitlines() if x.strip()]
+    assert message in lines[0], r.stderr
+    if overrides[0] != "engine=nope":                  # Hydra's own message lists the options after it
+        assert len(lines) == 1, r.stderr
+    assert not (tmp_path / "run" / "images").exists()

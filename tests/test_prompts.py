@@ -1,0 +1,91 @@
+"""Prompt readers on every supported format, the real shared prompt sets, and bad input."""
+from __future__ import annotations
+
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from workflows.config import ConfigError, DataConfig
+from workflows.prompts import read_prompts
+from tests.conftest import SHARED_DATA
+
+ROWS = [{"id": "x1", "prompt": "a red circle"}, {"id": "x2", "prompt": "  tabs\tand unicode ünïcødé "}]
+
+
+def write(tmp_path, fmt):
+    p = tmp_path / f"prompts.{fmt}"
+    if fmt == "parquet":
+        pq.write_table(pa.Table.from_pylist(ROWS), p)
+    elif fmt == "csv":
+        p.write_text('id,prompt\nx1,a red circle\nx2,"  tabs\tand unicode ünïcødé "\n', encoding="utf-8")
+    elif fmt == "tsv":
+        p.write_text("id\tprompt\nx1\ta red circle\nx2\t  tabs and unicode ünïcødé \n", encoding="utf-8")
+    elif fmt == "jsonl":
+        p.write_text("".join(json.dumps(r) + "\n" for r in ROWS), encoding="utf-8")
+    elif fmt == "json":
+        p.write_text(json.dumps([r["prompt"] for r in ROWS]), encoding="utf-8")
+    return p
+
+
+@pytest.mark.parametrize("fmt", ["parquet", "csv", "tsv", "jsonl", "json"])
+def test_formats(tmp_path, fmt):
+    p = write(tmp_path, fmt)
+    id_col = None if fmt == "json" else "id"
+    rows = read_prompts(DataConfig(name="file", path=str(p), id_column=id_col))
+    assert [r["prompt"] for r in rows][0] == "a red circle"
+    assert "ünïcødé" in rows[1]["prompt"]
+    if id_col:
+        assert [r["prompt_id"] for r in rows] == ["x1", "x2"]
+
+
+def test_derived_ids_are_stable_and_unique(tmp_path):
+    p = tmp_path / "p.json"
+    p.write_text(json.dumps(["same", "same", "other"]))
+    a = read_prompts(DataConfig(name="file", path=str(p)))
+    b = read_prompts(DataConfig(name="file", path=str(p)))
+    assert [r["prompt_id"] for r in a] == [r["prompt_id"] for r in b]
+    assert len({r["prompt_id"] for r in a}) == 3
+
+
+def test_builtin_shapes_default_and_limit():
+    rows = read_prompts(DataConfig())
+    assert len(rows) >= 64 and len({r["prompt_id"] for r in rows}) == len(rows)
+    assert len(read_prompts(DataConfig(limit=5))) == 5
+
+
+@pytest.mark.skipif(not (SHARED_DATA / "PartiPrompts.tsv").exists(), reason="shared data not present")
+def test_real_prompt_sets_read_as_they_are():
+    parti = read_prompts(DataConfig(name="file", path=str(SHARED_DATA / "PartiPrompts.tsv"), prompt_column="Prompt"))
+    assert len(parti) == 1632 and parti[0]["prompt"] == "bond"
+    assert any('"' in r["prompt"] for r in parti)      # quotes kept verbatim
+    coco = read_prompts(DataConfig(name="file", path=str(SHARED_DATA / "coco2017_val_longest_captions.json")))
+    assert len(coco) == 5000 and coco[0]["prompt"].startswith("Ma motorcycle")
+
+
+@pytest.mark.parametrize("setup, message", [
+    (lambda d: DataConfig(name="file", path=str(d / "nope.csv")), "data.path=.*no such file"),
+    (lambda d: DataConfig(name="file", path=None), "data.path is not set"),
+    (lambda d: DataConfig(name="file", path=str(_text(d / "p.txt", "hi"))), "unknown format"),
+    (lambda d: DataConfig(name="file", path=str(_text(d / "bad.parquet", "not parquet"))), "cannot read it"),
+    (lambda d: DataConfig(name="file", path=str(_text(d / "bad.json", "{nope"))), "cannot read it"),
+    (lambda d: DataConfig(name="file", path=str(_text(d / "p.csv", "text,x\nhi,1\n")), prompt_column="caption"),
+     "data.prompt_column='caption': no such column"),
+    (lambda d: DataConfig(name="file", path=str(_text(d / "p.csv", "a,b\nhi,1\n"))), "data.prompt_column=None"),
+    (lambda d: DataConfig(name="file", path=str(_text(d / "p.csv", "id,prompt\n1,a\n1,b\n")), id_column="id"),
+     "duplicate ids"),
+    (lambda d: DataConfig(name="file", path=str(_text(d / "p.csv", "prompt\na\n")), id_column="key"),
+     "data.id_column='key': no such column"),
+    (lambda d: DataConfig(name="nope"), "data.name='nope'"),
+    (lambda d: DataConfig(limit=-1), "data.limit=-1"),
+])
+def test_bad_input_is_one_clear_line(tmp_path, setup, message):
+    with pytest.raises(ConfigError, match=message) as e:
+        read_prompts(setup(tmp_path))
+    assert "\n" not in str(e.value)
+
+
+def _text(path, text):
+    path.write_text(text)
+    return path
