@@ -23,8 +23,8 @@ log = logging.getLogger("arspec.train")
 def stage_fns():
     from workflows.training.gpt import train_gpt
     from workflows.training.scorer import train_scorer
-    from workflows.training.vq import train_vq
-    fns = {"vq": train_vq, "gpt": train_gpt, "scorer": train_scorer}
+    from workflows.training.vq import finetune_decoder, train_vq
+    fns = {"vq": train_vq, "vq_decoder": finetune_decoder, "gpt": train_gpt, "scorer": train_scorer}
     try:
         from workflows.training.drafter import train_drafter
         fns["drafter"] = train_drafter

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn as nn
 
-from decoding.models.gpt import GPTArgs, TransformerBlock, rope_table_2d
+from decoding.models.gpt import GPTArgs, TransformerBlock, rope_complex, rope_table_2d
 from decoding.models.kv_cache import KVCache
 
 
@@ -51,8 +51,8 @@ class Drafter(nn.Module):
         self.fc = nn.Linear(2 * a.dim, a.dim, bias=True)
         self.layers = nn.ModuleList(TransformerBlock(g) for _ in range(a.n_layer))
         self.layers[0].attention_norm = nn.Identity()  # EAGLE: no input norm on the first layer
-        self.register_buffer("rope", rope_table_2d(g.grid_size, g.head_dim, a.rope_base, a.cls_token_num),
-                             persistent=False)
+        self.register_buffer("rope", rope_complex(rope_table_2d(g.grid_size, g.head_dim, a.rope_base,
+                                                                a.cls_token_num)), persistent=False)
 
     def setup_caches(self, batch: int, seq_len: int, dtype=torch.float32):
         g = self.args.gpt_args()

@@ -135,18 +135,16 @@ class FeedForward(nn.Module):
         self.w1 = nn.Linear(a.dim, hidden, bias=False)
         self.w3 = nn.Linear(a.dim, hidden, bias=False)
         self.w2 = nn.Linear(hidden, a.dim, bias=False)
-        self.dropout = nn.Dropout(a.ffn_dropout_p)
+        self.dropout = nn.Dropout(a.ffn_dropout_p) if a.ffn_dropout_p else nn.Identity()
 
     def forward(self, x):
         return self.dropout(self.w2(F.silu(self.w1(x)) * self.w3(x)))
 
 
 def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-    """x [B, T, H, D]; rope [B, T, D/2, 2] (cos, sin) on interleaved pairs."""
-    xs = x.float().reshape(*x.shape[:-1], -1, 2)
-    cos, sin = rope[:, :, None, :, 0], rope[:, :, None, :, 1]
-    out = torch.stack([xs[..., 0] * cos - xs[..., 1] * sin, xs[..., 1] * cos + xs[..., 0] * sin], -1)
-    return out.flatten(3).type_as(x)
+    """x [B, T, H, D]; rope [B, T, D/2] complex (cos + i sin), rotating interleaved pairs."""
+    xc = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+    return torch.view_as_real(xc * rope[:, :, None]).flatten(3).type_as(x)
 
 
 class Attention(nn.Module):
@@ -156,7 +154,7 @@ class Attention(nn.Module):
         self.n_kv_head = a.n_kv_head or a.n_head
         self.wqkv = nn.Linear(a.dim, (self.n_head + 2 * self.n_kv_head) * self.head_dim, bias=False)
         self.wo = nn.Linear(a.dim, a.dim, bias=False)
-        self.resid_dropout = nn.Dropout(a.resid_dropout_p)
+        self.resid_dropout = nn.Dropout(a.resid_dropout_p) if a.resid_dropout_p else nn.Identity()
         self.kv_cache: Optional[KVCache] = None
 
     def forward(self, x, rope, mask, slots=None):
@@ -200,6 +198,11 @@ def rope_table_2d(grid_size: int, head_dim: int, base: float, cls_token_num: int
     return torch.cat([torch.zeros(cls_token_num, half, 2), table])
 
 
+def rope_complex(table: torch.Tensor) -> torch.Tensor:
+    """[..., D/2, 2] (cos, sin) -> complex [..., D/2]; condition rows stay exactly 0."""
+    return torch.complex(table[..., 0].contiguous(), table[..., 1].contiguous())
+
+
 class GPT(nn.Module):
     def __init__(self, a: GPTArgs):
         super().__init__()
@@ -211,12 +214,12 @@ class GPT(nn.Module):
         else:
             raise ValueError(f"model.model_type={a.model_type!r}: use 'c2i' or 't2i'")
         self.tok_embeddings = nn.Embedding(a.vocab_size, a.dim)
-        self.tok_dropout = nn.Dropout(a.token_dropout_p)
+        self.tok_dropout = nn.Dropout(a.token_dropout_p) if a.token_dropout_p else nn.Identity()
         self.layers = nn.ModuleList(TransformerBlock(a) for _ in range(a.n_layer))
         self.norm = RMSNorm(a.dim, a.norm_eps)
         self.output = nn.Linear(a.dim, a.vocab_size, bias=False)
-        self.register_buffer("rope", rope_table_2d(a.grid_size, a.head_dim, a.rope_base, a.cls_token_num),
-                             persistent=False)
+        self.register_buffer("rope", rope_complex(rope_table_2d(a.grid_size, a.head_dim, a.rope_base,
+                                                                a.cls_token_num)), persistent=False)
         self.apply(self._init)
 
     @staticmethod

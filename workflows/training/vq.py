@@ -68,3 +68,34 @@ def train_vq(cfg, out_dir) -> dict:
     log.info(f"[vq] held-out PSNR {metrics['psnr_db']:.2f} dB, {metrics['codes_used']}/{args.codebook_size} codes used")
     save_module(vq, out_dir / "vq.safetensors", "vq", args.to_dict(), metrics=metrics)
     return {**stats, **metrics}
+
+
+def finetune_decoder(cfg, out_dir) -> dict:
+    """Stage `vq_decoder`: the crop-trained decoder, tuned on whole images with the encoder and the
+    codebook frozen (codes do not change, so a GPT trained on them stays valid). Whole images fix
+    what crops cannot teach: global colour statistics and the image border."""
+    from workflows.training.stages import load_stage
+    torch.manual_seed(cfg.seed)
+    vq = load_stage(out_dir, "vq").train()
+    for m in (vq.encoder, vq.quant_conv, vq.quantize):
+        m.requires_grad_(False)
+    _, train = render_pool(cfg.train_images, seed=cfg.seed + 2)
+    _, held_out = render_pool(cfg.eval_images, seed=cfg.seed + 1)
+    gen = torch.Generator().manual_seed(cfg.seed)
+    before = evaluate(vq, held_out)
+
+    def step(_):
+        x = to_float(train[torch.randint(len(train), (cfg.batch,), generator=gen)])
+        with torch.no_grad():
+            idx = vq.encode(x)
+        g = vq.args.downsample
+        rec = vq.decode_code(idx, [len(x), vq.args.codebook_embed_dim, x.shape[2] // g, x.shape[3] // g])
+        loss = (rec - x).abs().mean() + F.mse_loss(rec, x)
+        return loss, {}
+
+    stats = run_steps("vq_decoder", [p for p in vq.parameters() if p.requires_grad], step, cfg.steps, cfg.lr,
+                      log_every=cfg.log_every)
+    metrics = evaluate(vq, held_out)
+    log.info(f"[vq_decoder] held-out PSNR {before['psnr_db']:.2f} -> {metrics['psnr_db']:.2f} dB")
+    save_module(vq, out_dir / "vq.safetensors", "vq", vq.args.to_dict(), metrics=metrics)
+    return {**stats, "psnr_before_db": before["psnr_db"], **metrics}

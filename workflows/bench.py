@@ -1,0 +1,189 @@
+"""Side-by-side engine benchmark: `python -m workflows.bench [prompts=N] [batch_size=B] [variants=...]`.
+
+Every variant is a list of `generate` overrides (so it uses exactly the job's engine configs) and runs
+on the same prompts and seeds, in one process, interleaved batch by batch (the order rotates), so
+machine noise hits all engines alike. Reported per split (flat / textured shapes backgrounds) and
+overall: τ (tokens per target forward), step compression (vanilla forwards / engine forwards),
+wall speedup over vanilla (median and spread over batches), efficiency (speedup / compression), and
+prompt adherence from the shapes scorer. It also times the target and the drafter per forward at
+several block sizes, which decides what speculative decoding can win on this machine.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+
+import hydra
+import numpy as np
+import torch
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+from omegaconf import DictConfig, OmegaConf
+
+from workflows.config import register
+
+from actors.generator import load_model
+from decoding.bundle import SHAPES_DIR, load_module
+from decoding.engines import build_engine
+from decoding.sampling import prompt_seed
+from decoding.scorer import score_prompts
+from decoding.shapes import builtin_prompts, parse_caption
+
+log = logging.getLogger("arspec.bench")
+CONF = Path(__file__).resolve().parents[1] / "conf"
+register()
+
+
+def engine_config(overrides: list[str]) -> dict:
+    """The job's engine config for these `generate` overrides (conf/engine/*.yaml + overrides)."""
+    if GlobalHydra.instance().is_initialized():  # inside this app: conf/ is already on the search path
+        cfg = compose("generate", overrides=list(overrides))
+    else:
+        with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+            cfg = compose("generate", overrides=list(overrides))
+    return OmegaConf.to_container(cfg.engine, resolve=True)
+
+
+@torch.inference_mode()
+def forward_costs(bundle, sizes=(1, 8, 16, 32, 60), reps: int = 20) -> dict:
+    """Median ms of one target / drafter forward over a block of T tokens, CFG batch of 2 rows."""
+    from decoding.engines.base import CachedModel, visible
+    out = {}
+    models = {"target": bundle.gpt} | ({"drafter": bundle.drafter} if bundle.drafter is not None else {})
+    dim = bundle.gpt.args.dim
+    for name, m in models.items():
+        S = 512
+        cache = CachedModel(m, 2, S, bundle.dtype)
+        cache.valid[:, :200] = True
+        for T in sizes:
+            slots = (200 + torch.arange(T)).expand(2, T)
+            mask = visible(cache.valid, slots[..., None])
+            h = torch.randn(2, T, dim)
+            call = (lambda: m.forward_embeds(h, slots, mask, slots)) if name == "target" else \
+                (lambda: m(h, h, slots, mask, slots))
+            ts = []
+            with bundle.autocast():
+                for i in range(reps + 3):
+                    t0 = time.perf_counter()
+                    f = call()
+                    if name == "drafter":
+                        bundle.gpt.logits(f)
+                    ts.append(time.perf_counter() - t0)
+            out[f"{name}_T{T}_ms"] = round(1000 * float(np.median(ts[3:])), 3)
+    return out
+
+
+def run_bench(cfg: DictConfig) -> dict:
+    torch.set_num_threads(cfg.threads)
+    model = OmegaConf.to_container(cfg.model, resolve=True)
+    bundle = load_model(model, "cpu")
+    chosen = list(cfg.engines or cfg.variants)
+    unknown = [n for n in chosen if n not in cfg.variants]
+    if unknown:
+        raise SystemExit(f"engines={chosen}: no variant {unknown}; defined: {list(cfg.variants)} "
+                         f"(add one with +variants.NAME=[overrides])")
+    if cfg.baseline not in chosen:
+        chosen.insert(0, cfg.baseline)
+    engines = {name: build_engine(bundle, engine_config(cfg.variants[name])) for name in chosen}
+    scorer_path = Path(model["weights_dir"] or SHAPES_DIR) / "scorer.safetensors"
+    scorer = load_module(scorer_path, "scorer") if scorer_path.exists() else None
+    prompts = builtin_prompts(cfg.prompts, seed=cfg.prompt_seed)
+    batches = [prompts[i:i + cfg.batch_size] for i in range(0, len(prompts), cfg.batch_size)]
+    names = list(engines)
+    rows = {n: [] for n in names}
+    wall = {n: [] for n in names}
+    for bi, batch in enumerate(batches):
+        order = names[bi % len(names):] + names[:bi % len(names)]
+        for n in order:
+            cond = bundle.conditions([p["prompt"] for p in batch])
+            res = engines[n].generate(cond, [prompt_seed(cfg.seed, p["prompt_id"]) for p in batch])
+            wall[n].append(sum(r.wall_s for r in res))
+            scores = score_prompts(scorer, np.stack([r.image for r in res]), [p["prompt"] for p in batch]) \
+                if scorer else [None] * len(res)
+            for p, r, s in zip(batch, res, scores):
+                rows[n].append({"split": parse_caption(p["prompt"]).split, "tau": r.mean_accept_len,
+                                "target_forwards": r.target_forwards, "draft_forwards": r.draft_forwards,
+                                "wall_s": r.wall_s, "adherence": s["all"] if s else None, "batch": bi})
+        log.info(f"[bench] batch {bi + 1}/{len(batches)} " +
+                 " ".join(f"{n}={np.mean([r['tau'] for r in rows[n]]):.2f}τ" for n in names))
+    return {"config": OmegaConf.to_container(cfg, resolve=True), "forward_costs": forward_costs(bundle),
+            "torch_threads": torch.get_num_threads(), "dtype": str(bundle.dtype),
+            "results": summarize(rows, wall, baseline=cfg.baseline)}
+
+
+def summarize(rows: dict, wall: dict, baseline: str) -> dict:
+    out = {}
+    for split in ("flat", "textured", "all"):
+        base = [r for r in rows[baseline] if split in ("all", r["split"])]
+        for n, rs in rows.items():
+            rs = [r for r in rs if split in ("all", r["split"])]
+            if not rs:
+                continue
+            # per batch speedup: baseline wall / engine wall on the same prompts
+            by_batch = {}
+            for r, b in zip(rs, base):
+                by_batch.setdefault(r["batch"], [0.0, 0.0])
+                by_batch[r["batch"]][0] += b["wall_s"]
+                by_batch[r["batch"]][1] += r["wall_s"]
+            speedups = [bw / ew for bw, ew in by_batch.values()]
+            compression = np.mean([b["target_forwards"] for b in base]) / np.mean([r["target_forwards"] for r in rs])
+            speedup = float(np.sum([b["wall_s"] for b in base]) / np.sum([r["wall_s"] for r in rs]))
+            adh = [r["adherence"] for r in rs if r["adherence"] is not None]
+            out.setdefault(split, {})[n] = {
+                "images": len(rs), "tau": round(float(np.mean([r["tau"] for r in rs])), 3),
+                "step_compression": round(float(compression), 3), "speedup": round(speedup, 3),
+                "speedup_median": round(float(np.median(speedups)), 3),
+                "speedup_p10_p90": [round(float(np.percentile(speedups, q)), 3) for q in (10, 90)],
+                "efficiency": round(speedup / compression, 3),
+                "s_per_image": round(float(np.mean([r["wall_s"] for r in rs])), 4),
+                "draft_forwards_per_image": round(float(np.mean([r["draft_forwards"] for r in rs])), 1),
+                "adherence": round(float(np.mean(adh)), 3) if adh else None}
+    return out
+
+
+def table(results: dict) -> str:
+    lines = []
+    for split, engines in results.items():
+        lines += [f"\n{split}", "| engine | τ | step compression | speedup (total) | speedup median [p10, p90] | "
+                  "efficiency | s/image | adherence |", "|---|---|---|---|---|---|---|---|"]
+        for n, r in engines.items():
+            lines.append(f"| {n} | {r['tau']} | {r['step_compression']} | {r['speedup']} | {r['speedup_median']} "
+                         f"{r['speedup_p10_p90']} | {r['efficiency']} | {r['s_per_image']} | {r['adherence']} |")
+    return "\n".join(lines)
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    splits = [s for s in ("flat", "textured", "all") if s in results]
+    names = list(results[splits[0]])
+    fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
+    for ax, key, title in ((axes[0], "tau", "τ (tokens / target forward)"), (axes[1], "speedup", "wall speedup vs vanilla")):
+        x = np.arange(len(names))
+        for i, s in enumerate(splits):
+            ax.bar(x + (i - 1) * 0.27, [results[s][n][key] for n in names], 0.27, label=s)
+        ax.set_xticks(x, names, rotation=30, ha="right", fontsize=8)
+        ax.set_title(title)
+        ax.axhline(1.0, color="k", lw=0.6)
+    axes[0].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+@hydra.main(version_base="1.3", config_path="../conf", config_name="bench")
+def main(cfg: DictConfig) -> None:
+    report = run_bench(cfg)
+    out = Path(cfg.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2))
+    plot(report["results"], out.with_suffix(".png"))
+    print(json.dumps(report["forward_costs"]))
+    print(table(report["results"]))
+    log.info(f"[bench] wrote {out} and {out.with_suffix('.png')}")
+
+
+if __name__ == "__main__":
+    main()
