@@ -172,3 +172,20 @@ def test_config_errors_fail_at_once_with_one_line(tmp_path, tiny_weights, overri
     if overrides[0] != "engine=nope":                  # Hydra's own message lists the options after it
         assert len(lines) == 1, r.stderr
     assert not (tmp_path / "run" / "images").exists()
+
+
+def test_images_table_opens_in_pandas_duckdb_and_datasets(ray_cluster, tiny_weights, tmp_path):
+    import datasets
+    import duckdb
+    from PIL import Image
+    out = tmp_path / "run"
+    job(*base(tiny_weights, out, "data.limit=3", "engine=eagle2"))
+    df = images(out)
+    assert {"prompt_id", "prompt", "seed", "engine", "model", "image", "width", "height", "num_tokens",
+            "target_forwards", "draft_forwards", "mean_accept_len", "wall_s", "batch_size"} <= set(df.columns)
+    n, tau = duckdb.sql(f"select count(*), avg(mean_accept_len) from '{out}/images/*.parquet'").fetchall()[0]
+    assert n == 3 and tau >= 1.0
+    ds = datasets.load_dataset("parquet", data_files=str(out / "images" / "*.parquet"), split="train")
+    assert isinstance(ds[0]["image"], Image.Image) and ds[0]["image"].size == (8, 8)
+    tok = duckdb.sql(f"select sum(accepted::int), count(*) from '{out}/tokens/*.parquet'").fetchall()[0]
+    assert tok[1] == 3 * 16

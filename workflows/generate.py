@@ -87,7 +87,9 @@ def start_ray(cl: dict) -> bool:
     return True
 
 
-def summarize(results: list[dict], c: dict, total: int, already: int, seconds: float) -> dict:
+def summarize(results: list[dict], c: dict, total: int, already: int, seconds: float, ray_start_s: float) -> dict:
+    """engine_seconds: summed engine time inside the actors; write_seconds: PNG + Parquet; the rest of
+    `seconds` is Ray start, actor start-up (model load) and scheduling."""
     images = sum(r["images"] for r in results)
     errors = sum(r["errors"] for r in results)
     taus = [t for r in results for t in r["tau"]]
@@ -98,8 +100,9 @@ def summarize(results: list[dict], c: dict, total: int, already: int, seconds: f
             "images_per_s": round(images / seconds, 3) if seconds > 0 else None,
             "mean_accept_len": round(sum(taus) / len(taus), 3) if taus else None,
             "engine_s_per_image": round(sum(walls) / len(walls), 4) if walls else None,
-            "overhead_fraction": round(1 - gen / max(gen + sum(r["write_s"] for r in results), 1e-9), 4)
-            if results else None,
+            "engine_seconds": round(gen, 2),
+            "write_seconds": round(sum(r["write_s"] for r in results), 2),
+            "ray_start_seconds": round(ray_start_s, 2),
             "num_actors": c["cluster"]["num_actors"], "batch_size": c["cluster"]["batch_size"],
             "nodes": len({r["node"] for r in results if r["node"]}),
             "out_dir": c["out_dir"]}
@@ -124,18 +127,19 @@ def run(cfg: DictConfig) -> dict:
     log.info(f"[generate] {len(items)} prompts, {already} already in {out_dir}, {len(pending)} to generate "
              f"with engine={c['engine']['name']} on {c['cluster']['num_actors']} actor(s)")
     t0 = time.time()
-    results = []
+    results, ray_start_s = [], 0.0
     if pending:
         bs = c["cluster"]["batch_size"]
         batches = [pending[i:i + bs] for i in range(0, len(pending), bs)]
         started = start_ray(c["cluster"])
+        ray_start_s = time.time() - t0
         try:
             results = run_batches(c, out_dir, batches, Progress(len(items), already))
         finally:
             if started:
                 import ray
                 ray.shutdown()
-    summary = summarize(results, c, len(items), already, time.time() - t0)
+    summary = summarize(results, c, len(items), already, time.time() - t0, ray_start_s)
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     log.info("[generate] summary " + json.dumps(summary))
     return summary

@@ -33,6 +33,21 @@ def stage_fns():
     return fns
 
 
+def training_card(report: dict, out_dir: Path) -> str:
+    """TRAINING.md beside the weights: how each file was made and what it reached."""
+    lines = ["# Shapes weights", "", "Trained on CPU by `python -m workflows.train` (conf/train.yaml); "
+             "this file is rewritten by every training run from train_report.json.", "",
+             "| file | bytes |", "|---|---|"]
+    files = sorted(out_dir.glob("*.safetensors"))
+    lines += [f"| {f.name} | {f.stat().st_size:,} |" for f in files]
+    lines += [f"| total | {sum(f.stat().st_size for f in files):,} |", ""]
+    for name, r in report.items():
+        metrics = {k: v for k, v in r["metrics"].items()}
+        lines += [f"## {name}", "", f"- command: `{r['command']}`", f"- minutes: {r['minutes']} "
+                  f"(torch {r['torch']}, {r['threads']} threads)", f"- final metrics: `{json.dumps(metrics)}`", ""]
+    return "\n".join(lines)
+
+
 @hydra.main(version_base="1.3", config_path="../conf", config_name="train")
 def main(cfg: DictConfig) -> None:
     if cfg.threads:
@@ -53,6 +68,7 @@ def main(cfg: DictConfig) -> None:
                         "torch": torch.__version__, "threads": torch.get_num_threads(),
                         "minutes": round((time.time() - t0) / 60, 1)}
         report_path.write_text(json.dumps(report, indent=2))
+        (out_dir / "TRAINING.md").write_text(training_card(report, out_dir))
         log.info(f"stage {name}: done in {(time.time() - t0) / 60:.1f} min -> {out_dir}")
 
 

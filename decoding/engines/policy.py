@@ -39,8 +39,8 @@ class AdjacencyAdaptive:
     def __init__(self, batch: int, grid: int, depth: int, width: int, d_min: int, d_max: int,
                  w_min: int, w_max: int, beta: float, adjacency: str = "horizontal"):
         if not (1 <= d_min <= depth <= d_max and 1 <= w_min <= width <= w_max):
-            raise ValueError(f"adt_tree bounds must satisfy 1 <= d_min <= depth <= d_max and 1 <= w_min <= width "
-                             f"<= w_max; got d {d_min}..{depth}..{d_max}, w {w_min}..{width}..{w_max}")
+            raise ValueError(f"engine.d_min/depth/d_max={d_min}/{depth}/{d_max}, engine.w_min/width/w_max={w_min}/{width}/"
+                             f"{w_max}: need 1 <= d_min <= depth <= d_max and 1 <= w_min <= width <= w_max")
         if adjacency not in ("horizontal", "2d"):
             raise ValueError(f"engine.adjacency={adjacency!r}: use 'horizontal' or '2d'")
         self.grid, self.beta, self.adjacency = grid, beta, adjacency

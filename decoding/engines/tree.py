@@ -19,7 +19,6 @@ import torch
 from decoding.engines.base import CachedModel, Engine, TokenLog, visible
 from decoding.engines.policy import AdjacencyAdaptive, FixedShape
 from decoding.engines.verify import Lantern, codebook_neighbours, verify_tree
-from decoding.models.gpt import causal_mask
 from decoding.sampling import sample_from
 
 NEG = float("-inf")
@@ -88,10 +87,7 @@ class TreeEngine(Engine):
         t0 = torch.from_numpy(log.tokens[:, 0]).to(feats.device)
         nxt = torch.cat([cond_emb[:, 1:], self.gpt.embed_tokens(self.rows(t0))[:, None]], 1)
         pos = torch.arange(1, L + 1, device=feats.device).expand(R, L)
-        slots = pos - 1
-        mask = torch.zeros(R, L, draft.valid.shape[1], dtype=torch.bool, device=feats.device)
-        mask[:, :, :L] = causal_mask(L, cond_valid, feats.device)
-        out = self.drafter(nxt, feats, pos, mask, slots)
+        out = self.drafter(nxt, feats, pos, self._prefix_mask(draft, cond_valid, R), pos - 1)
         draft.valid[:, :L] = cond_valid
         log.draft_forwards += 1
         return out[:, -1]

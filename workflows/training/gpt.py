@@ -38,6 +38,10 @@ def train_gpt(cfg, out_dir) -> dict:
                    block_size=grid * grid, model_type="t2i", caption_dim=cfg.text_dim,
                    cls_token_num=cfg.text_len, class_dropout_prob=cfg.cond_dropout)
     gpt = GPT(args)
+    if cfg.resume:  # continue from the gpt/text weights already in out_dir (same architecture)
+        gpt.load_state_dict(load_stage(out_dir, "gpt").state_dict())
+        text.load_state_dict(load_stage(out_dir, "text").state_dict())
+        log.info(f"[gpt] resuming from {out_dir / 'gpt.safetensors'}")
     log.info(f"[gpt] {sum(p.numel() for p in gpt.parameters()) / 1e6:.2f}M parameters, {args.block_size} tokens/image")
 
     def pool(n, seed):

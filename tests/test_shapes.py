@@ -1,0 +1,64 @@
+"""The shapes world, its scorer, and the shipped model end to end."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from decoding.bundle import SHAPES_DIR, load_module, load_shapes_bundle
+from decoding.engines import build_engine
+from decoding.sampling import prompt_seed
+from decoding.scorer import adherence, score_prompts
+from decoding.shapes import ATTRIBUTES, Scene, builtin_prompts, parse_caption, render, sample_scenes
+
+
+def test_render_is_deterministic_and_scenes_vary():
+    scenes = sample_scenes(20, seed=3)
+    a = np.stack([render(s) for s in scenes])
+    b = np.stack([render(s) for s in sample_scenes(20, seed=3)])
+    assert a.shape == (20, 64, 64, 3) and a.dtype == np.uint8 and np.array_equal(a, b)
+    assert len({s.caption for s in scenes}) > 15
+
+
+def test_captions_round_trip_and_other_text_is_not_a_scene():
+    for s in sample_scenes(200, seed=0):
+        assert parse_caption(s.caption).attributes() == s.attributes()
+    assert parse_caption("  A small RED circle in the center on a blue background. ").colour == "red"
+    assert parse_caption("a motorcycle parked on the gravel") is None
+    assert parse_caption("a small red circle in the center on a red background") is None  # same colours
+
+
+def test_bad_scene_is_refused():
+    with pytest.raises(ValueError, match="scene.shape"):
+        Scene("hexagon", "red", "small", "in the center", "blue")
+
+
+def test_builtin_prompts_cover_both_splits():
+    rows = builtin_prompts()
+    scenes = [parse_caption(r["prompt"]) for r in rows]
+    assert len(rows) >= 64 and all(scenes)
+    assert {s.split for s in scenes} == {"flat", "textured"}
+    for attr, values in ATTRIBUTES.items():
+        assert {getattr(s, attr) for s in scenes} == set(values), attr
+
+
+def test_scorer_reads_fresh_renders():
+    scorer = load_module(SHAPES_DIR / "scorer.safetensors", "scorer")
+    scenes = sample_scenes(400, seed=12345)
+    preds = scorer.predict(np.stack([render(s) for s in scenes]))
+    scores = [adherence(p, s) for p, s in zip(preds, scenes)]
+    assert np.mean([s["all"] for s in scores]) >= 0.95
+    for attr in ATTRIBUTES:
+        assert np.mean([s[attr] for s in scores]) >= 0.97, attr
+
+
+def test_shipped_model_draws_what_the_caption_says():
+    bundle = load_shapes_bundle()
+    engine = build_engine(bundle, {"name": "vanilla", "cfg_scale": 3.0})
+    prompts = [r["prompt"] for r in builtin_prompts(16, seed=7)]
+    res = engine.generate(bundle.conditions(prompts), [prompt_seed(0, p) for p in prompts])
+    images = np.stack([r.image for r in res])
+    assert images.shape == (16, 64, 64, 3)
+    scores = score_prompts(load_module(SHAPES_DIR / "scorer.safetensors", "scorer"), images, prompts)
+    # chance is 1/7 per colour: P(>= 10 of 16 right by chance) < 1e-5
+    assert np.mean([s["background"] for s in scores]) >= 0.6
+    assert np.mean([s["colour"] for s in scores]) >= 0.5

@@ -1,0 +1,80 @@
+"""What the job costs on top of the engine: `python -m workflows.bench_job [generate overrides...]`.
+
+Runs the same prompts three ways, each into a fresh out_dir: the engine called directly in this
+process (one Generator, no Ray, no Parquet), the job with 1 actor, and the job with 2 actors. Reports
+throughput and the per-image overhead of Ray + PNG + Parquet over the direct engine, with the fixed
+start-up (Ray start, model load in the actor) shown apart, since it does not grow with the job.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from workflows.config import register
+
+CONF = Path(__file__).resolve().parents[1] / "conf"
+register()
+
+
+def config(overrides: list[str]) -> dict:
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return OmegaConf.to_container(compose("generate", overrides=overrides), resolve=True)
+
+
+def direct(c: dict) -> dict:
+    """The engine alone, in process, with the actor's thread count and batches."""
+    from actors.generator import Generator
+    from decoding.sampling import prompt_seed
+    from workflows.config import DataConfig
+    from workflows.prompts import read_prompts
+    items = [{**it, "seed": prompt_seed(c["seed"], it["prompt_id"])} for it in read_prompts(DataConfig(**c["data"]))]
+    t0 = time.perf_counter()
+    gen = Generator(c, c["out_dir"])
+    load_s = time.perf_counter() - t0
+    bs, t0 = c["cluster"]["batch_size"], time.perf_counter()
+    for i in range(0, len(items), bs):
+        gen.generate(items[i:i + bs])
+    return {"images": len(items), "seconds": round(time.perf_counter() - t0, 2), "load_seconds": round(load_s, 2)}
+
+
+def main(argv: list[str]) -> dict:
+    from workflows.generate import run
+    with tempfile.TemporaryDirectory() as tmp:
+        c = config(argv + [f"out_dir={tmp}/direct"])
+        threads = torch.get_num_threads()
+        d = direct(c)
+        torch.set_num_threads(threads)
+        jobs = {}
+        for n in (1, 2):
+            cfg = OmegaConf.create(config(argv + [f"out_dir={tmp}/actors{n}", f"cluster.num_actors={n}"]))
+            jobs[n] = run(cfg)
+    one = jobs[1]
+    per_image_direct = d["seconds"] / d["images"]
+    # the job's steady-state time per image: everything except Ray start and the actor's model load
+    steady = (one["seconds"] - one["ray_start_seconds"] - d["load_seconds"]) / one["images"]
+    report = {
+        "overrides": argv, "images": d["images"],
+        "direct_engine_s_per_image": round(per_image_direct, 4),
+        "job_1_actor": {k: one[k] for k in ("seconds", "images_per_s", "engine_seconds", "write_seconds",
+                                            "ray_start_seconds")},
+        "job_2_actors": {k: jobs[2][k] for k in ("seconds", "images_per_s", "engine_seconds", "write_seconds",
+                                                 "ray_start_seconds", "nodes")},
+        "scaling_2_vs_1": round(jobs[2]["images_per_s"] / one["images_per_s"], 3),
+        "overhead_per_image_s": round(steady - per_image_direct, 4),
+        "overhead_fraction": round((steady - per_image_direct) / per_image_direct, 4),
+        "write_fraction": round(one["write_seconds"] / one["engine_seconds"], 4),
+        "fixed_startup_s": round(one["ray_start_seconds"] + d["load_seconds"], 2),
+    }
+    print(json.dumps(report, indent=2))
+    return report
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
