@@ -59,3 +59,11 @@ def score_prompts(scorer: Scorer, images_u8: np.ndarray, prompts: list[str]) -> 
     """Adherence per image, or None where the prompt is not a shapes caption."""
     preds = scorer.predict(images_u8)
     return [None if (s := parse_caption(p)) is None else adherence(pr, s) for pr, p in zip(preds, prompts)]
+
+
+def mean_adherence(scores: list[dict | None]) -> dict | None:
+    """Per-attribute means (and `all`, the strict score) over the images that have a score."""
+    scores = [s for s in scores if s is not None]
+    if not scores:
+        return None
+    return {k: round(float(np.mean([s[k] for s in scores])), 3) for k in scores[0]}

@@ -84,9 +84,10 @@ def _prefix(m, B=2):
     return m.embed_condition(feats), mask
 
 
+@pytest.mark.parametrize("abs_pos", [False, True])
 @torch.no_grad()
-def test_cached_decoding_matches_full_forward():
-    m = t2i()
+def test_cached_decoding_matches_full_forward(abs_pos):
+    m = t2i(abs_pos_embed=abs_pos)
     emb, mask = _prefix(m)
     tokens = torch.randint(0, 16, (2, 16))
     full_logits, _ = m.forward_train(emb, tokens, cond_mask=mask)
@@ -106,12 +107,13 @@ def test_cached_decoding_matches_full_forward():
     assert torch.allclose(torch.stack(step_logits, 1), full_logits, atol=1e-4)
 
 
+@pytest.mark.parametrize("abs_pos", [False, True])
 @torch.no_grad()
-def test_tree_block_and_compaction_match_sequential_decoding():
+def test_tree_block_and_compaction_match_sequential_decoding(abs_pos):
     """A tree [root, a, b (child of a), c (sibling of a)] in one masked forward gives each node the
     features of its own path; after compacting the path root->a->b, decoding continues as if the
     path had been decoded token by token."""
-    m = t2i(seed=1)
+    m = t2i(seed=1, abs_pos_embed=abs_pos)
     emb, mask = _prefix(m, B=1)
     L, S = 4, 4 + 16 + 8
     prefix_tokens = torch.randint(0, 16, (1, 3))
@@ -150,6 +152,28 @@ def test_tree_block_and_compaction_match_sequential_decoding():
     alt_ref, _ = m.forward_train(emb, torch.cat([alt, torch.zeros(1, 16 - alt.shape[1], dtype=torch.long)], 1),
                                  cond_mask=mask)
     assert torch.allclose(m.logits(f)[0, 0], alt_ref[0, 6], atol=1e-4)
+
+
+@torch.no_grad()
+def test_bf16_bundle_computes_what_the_fp32_one_does(tiny_weights):
+    """The bundle casts the transformers to bf16 once; RoPE tables are complex and must survive it."""
+    from decoding.bundle import load_shapes_bundle
+    from decoding.engines import build_engine
+    b32, b16 = (load_shapes_bundle(tiny_weights, dtype=d) for d in ("float32", "bfloat16"))
+    assert b16.gpt.output.weight.dtype == torch.bfloat16 and b16.gpt.rope.dtype == torch.complex64
+    assert torch.equal(b16.gpt.rope, b32.gpt.rope) and torch.equal(b16.drafter.rope, b32.drafter.rope)
+    prompts = ["a red circle in the center", "a small blue star"]
+    tokens = torch.randint(0, 16, (2, 16), generator=torch.Generator().manual_seed(0))
+    probs = []
+    for b in (b32, b16):
+        c = b.conditions(prompts)
+        logits, _ = b.gpt.forward_train(b.gpt.embed_condition(c.features), tokens, cond_mask=c.mask)
+        probs.append(logits.softmax(-1))
+    assert (probs[0] - probs[1]).abs().max() < 0.05
+    for name in ("vanilla", "eagle2"):  # the engines run end to end in bf16
+        r = build_engine(b16, {"name": name, "cfg_scale": 2.0, "total_tokens": 6, "depth": 3, "width": 2}).generate(
+            b16.conditions(prompts), [1, 2])
+        assert r[0].image.shape == (8, 8, 3) and len(r[1].tokens) == 16
 
 
 def test_checkpoints_round_trip_and_refuse_pickled_code(tmp_path):

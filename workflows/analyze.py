@@ -22,7 +22,7 @@ from omegaconf import DictConfig
 from PIL import Image
 
 from decoding.bundle import SHAPES_DIR, load_module
-from decoding.scorer import score_prompts
+from decoding.scorer import mean_adherence, score_prompts
 
 log = logging.getLogger("arspec.analyze")
 
@@ -65,7 +65,7 @@ def cell_stats(images, tokens, grid: int) -> dict:
 def summarize(images, tokens, errors, stats, scorer) -> dict:
     pix = np.stack([decode(x) for x in images.image])
     adherence = score_prompts(scorer, pix, list(images.prompt)) if scorer is not None else [None] * len(images)
-    images = images.assign(adherence=[a["all"] if a else np.nan for a in adherence])
+    images = images.assign(adherence=adherence)
     out = {"images": len(images), "errors": 0 if errors is None else len(errors),
            "engine": sorted(images.engine.unique().tolist())}
     for split in ["all"] + sorted(images.split.dropna().unique().tolist()):
@@ -76,7 +76,7 @@ def summarize(images, tokens, errors, stats, scorer) -> dict:
         acc = np.concatenate([s["accepted"].ravel() for s in st])
         out[split] = {
             "images": len(sub), "tau": round(float(sub.mean_accept_len.mean()), 3),
-            "adherence": None if sub.adherence.isna().all() else round(float(sub.adherence.mean()), 3),
+            "adherence": mean_adherence(list(sub.adherence)),
             "flat_cell_fraction": round(float(flat.mean()), 3),
             "tree_depth_flat": round(float(depth[flat].mean()), 3) if flat.any() else None,
             "tree_depth_busy": round(float(depth[~flat].mean()), 3) if (~flat).any() else None,

@@ -28,7 +28,7 @@ from actors.generator import load_model
 from decoding.bundle import SHAPES_DIR, load_module
 from decoding.engines import build_engine
 from decoding.sampling import prompt_seed
-from decoding.scorer import score_prompts
+from decoding.scorer import mean_adherence, score_prompts
 from decoding.shapes import builtin_prompts, parse_caption
 
 log = logging.getLogger("arspec.bench")
@@ -60,17 +60,16 @@ def forward_costs(bundle, sizes=(1, 8, 16, 32, 60), reps: int = 20) -> dict:
         for T in sizes:
             slots = (200 + torch.arange(T)).expand(2, T)
             mask = visible(cache.valid, slots[..., None])
-            h = torch.randn(2, T, dim)
+            h = torch.randn(2, T, dim, dtype=bundle.dtype)
             call = (lambda: m.forward_embeds(h, slots, mask, slots)) if name == "target" else \
                 (lambda: m(h, h, slots, mask, slots))
             ts = []
-            with bundle.autocast():
-                for i in range(reps + 3):
-                    t0 = time.perf_counter()
-                    f = call()
-                    if name == "drafter":
-                        bundle.gpt.logits(f)
-                    ts.append(time.perf_counter() - t0)
+            for i in range(reps + 3):
+                t0 = time.perf_counter()
+                f = call()
+                if name == "drafter":
+                    bundle.gpt.logits(f)
+                ts.append(time.perf_counter() - t0)
             out[f"{name}_T{T}_ms"] = round(1000 * float(np.median(ts[3:])), 3)
     return out
 
@@ -105,7 +104,7 @@ def run_bench(cfg: DictConfig) -> dict:
             for p, r, s in zip(batch, res, scores):
                 rows[n].append({"split": parse_caption(p["prompt"]).split, "tau": r.mean_accept_len,
                                 "target_forwards": r.target_forwards, "draft_forwards": r.draft_forwards,
-                                "wall_s": r.wall_s, "adherence": s["all"] if s else None, "batch": bi})
+                                "wall_s": r.wall_s, "adherence": s, "batch": bi})
         log.info(f"[bench] batch {bi + 1}/{len(batches)} " +
                  " ".join(f"{n}={np.mean([r['tau'] for r in rows[n]]):.2f}τ" for n in names))
     return {"config": OmegaConf.to_container(cfg, resolve=True), "forward_costs": forward_costs(bundle),
@@ -130,7 +129,7 @@ def summarize(rows: dict, wall: dict, baseline: str) -> dict:
             speedups = [bw / ew for bw, ew in by_batch.values()]
             compression = np.mean([b["target_forwards"] for b in base]) / np.mean([r["target_forwards"] for r in rs])
             speedup = float(np.sum([b["wall_s"] for b in base]) / np.sum([r["wall_s"] for r in rs]))
-            adh = [r["adherence"] for r in rs if r["adherence"] is not None]
+            adh = mean_adherence([r["adherence"] for r in rs])
             out.setdefault(split, {})[n] = {
                 "images": len(rs), "tau": round(float(np.mean([r["tau"] for r in rs])), 3),
                 "step_compression": round(float(compression), 3), "speedup": round(speedup, 3),
@@ -139,7 +138,7 @@ def summarize(rows: dict, wall: dict, baseline: str) -> dict:
                 "efficiency": round(speedup / compression, 3),
                 "s_per_image": round(float(np.mean([r["wall_s"] for r in rs])), 4),
                 "draft_forwards_per_image": round(float(np.mean([r["draft_forwards"] for r in rs])), 1),
-                "adherence": round(float(np.mean(adh)), 3) if adh else None}
+                "adherence": adh and adh["all"], "adherence_by_attribute": adh}
     return out
 
 

@@ -43,7 +43,11 @@ def training_card(report: dict, out_dir: Path) -> str:
     lines += [f"| total | {sum(f.stat().st_size for f in files):,} |", ""]
     for name, r in report.items():
         metrics = {k: v for k, v in r["metrics"].items()}
-        lines += [f"## {name}", "", f"- command: `{r['command']}`", f"- minutes: {r['minutes']} "
+        lines += [f"## {name}", ""]
+        for earlier in r.get("resumed_from", []):  # a stage continued from its own earlier weights
+            lines += [f"- first: `{earlier['command']}` ({earlier['minutes']} min, reached "
+                      f"`{json.dumps(earlier['metrics'])}`), then resumed:"]
+        lines += [f"- command: `{r['command']}`", f"- minutes: {r['minutes']} "
                   f"(torch {r['torch']}, {r['threads']} threads)", f"- final metrics: `{json.dumps(metrics)}`", ""]
     return "\n".join(lines)
 
@@ -59,6 +63,7 @@ def main(cfg: DictConfig) -> None:
         raise SystemExit(f"stages={list(cfg.stages)}: unknown {unknown}; choose from {list(fns)}")
     report_path = out_dir / "train_report.json"
     report = json.loads(report_path.read_text()) if report_path.exists() else {}
+    previous = dict(report)
     for name in cfg.stages:
         t0 = time.time()
         log.info(f"stage {name}: starting")
@@ -67,6 +72,9 @@ def main(cfg: DictConfig) -> None:
                         "command": "python -m workflows.train " + " ".join(sys.argv[1:]),
                         "torch": torch.__version__, "threads": torch.get_num_threads(),
                         "minutes": round((time.time() - t0) / 60, 1)}
+        if cfg[name].get("resume") and name in previous:  # keep the history of the weights it continued
+            old = dict(previous[name])
+            report[name]["resumed_from"] = [*old.pop("resumed_from", []), old]
         report_path.write_text(json.dumps(report, indent=2))
         (out_dir / "TRAINING.md").write_text(training_card(report, out_dir))
         log.info(f"stage {name}: done in {(time.time() - t0) / 60:.1f} min -> {out_dir}")

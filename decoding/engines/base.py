@@ -65,9 +65,11 @@ class TokenLog:
 
 
 def visible(valid: torch.Tensor, see: torch.Tensor) -> torch.Tensor:
-    """Attention mask [R, T, S]: committed slots `valid` [R, S] plus, per query, the slots `see` [R, T, K]
-    (its uncommitted ancestors and itself)."""
-    mask = valid[:, None, :].repeat(1, see.shape[1], 1)
+    """Attention mask [R, T, S']: committed slots `valid` [R, S] plus, per query, the slots `see` [R, T, K]
+    (its uncommitted ancestors and itself). Committed slots all lie below the slots being written, so
+    the mask stops at S' = max(see) + 1 and attention reads only that prefix of the cache."""
+    width = int(see.max()) + 1
+    mask = valid[:, None, :width].repeat(1, see.shape[1], 1)
     return mask.scatter_(2, see, True)
 
 
@@ -134,7 +136,7 @@ class Engine:
     # -- the contract ---------------------------------------------------------------------------------
     def generate(self, cond: Conditions, seeds) -> list[ImageResult]:
         t0 = time.perf_counter()
-        with torch.inference_mode(), self.bundle.autocast():
+        with torch.inference_mode():
             log = self._generate(cond, rngs(seeds))
             images = self.bundle.decode(torch.from_numpy(log.tokens))
         wall = (time.perf_counter() - t0) / len(seeds)

@@ -46,6 +46,10 @@ class GPTArgs:
     token_dropout_p: float = 0.0
     resid_dropout_p: float = 0.0
     ffn_dropout_p: float = 0.0
+    # Not in LlamaGen (off for its checkpoints): a learned embedding of each image token's grid cell,
+    # added to its input. RoPE gives only relative offsets, and a small model trained for minutes on a
+    # CPU cannot tell from them where in the image it is; the shipped shapes model turns this on.
+    abs_pos_embed: bool = False
 
     @property
     def head_dim(self) -> int:
@@ -166,6 +170,7 @@ class Attention(nn.Module):
         v = v.view(B, T, self.n_kv_head, self.head_dim)
         if slots is not None:  # cached decoding; training runs without a cache
             k, v = self.kv_cache.update(slots, k, v)  # -> whole cache [B, S, Hkv, D]
+            k, v = k[:, : mask.shape[-1]], v[:, : mask.shape[-1]]  # the mask may cover only a prefix
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if self.n_kv_head != self.n_head:
             k = k.repeat_interleave(self.n_head // self.n_kv_head, dim=1)
@@ -214,6 +219,8 @@ class GPT(nn.Module):
         else:
             raise ValueError(f"model.model_type={a.model_type!r}: use 'c2i' or 't2i'")
         self.tok_embeddings = nn.Embedding(a.vocab_size, a.dim)
+        if a.abs_pos_embed:
+            self.pos_embeddings = nn.Embedding(a.block_size, a.dim)
         self.tok_dropout = nn.Dropout(a.token_dropout_p) if a.token_dropout_p else nn.Identity()
         self.layers = nn.ModuleList(TransformerBlock(a) for _ in range(a.n_layer))
         self.norm = RMSNorm(a.dim, a.norm_eps)
@@ -248,9 +255,13 @@ class GPT(nn.Module):
     # -- forward ------------------------------------------------------------------------------------
     def forward_embeds(self, h: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor,
                        slots: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """h [B, T, dim], pos [B, T] logical positions, mask [B, T, S] (S = cache length, or T without a
-        cache). Returns the final hidden state after the last norm (the 'feature' EAGLE drafts from)."""
+        """h [B, T, dim], pos [B, T] logical positions, mask [B, T, S] (S <= cache length: the prefix of
+        cache slots attention reads; T without a cache). Returns the final hidden state after the last
+        norm (the 'feature' EAGLE drafts from)."""
         rope = self.rope[pos]
+        if self.args.abs_pos_embed:  # image cell of each input token; condition positions get none
+            cell = pos - self.args.cls_token_num
+            h = h + self.pos_embeddings(cell.clamp(min=0)) * (cell >= 0)[..., None].to(h.dtype)
         h = self.tok_dropout(h)
         for layer in self.layers:
             h = layer(h, rope, mask, slots)

@@ -167,11 +167,12 @@ class VectorQuantizer(nn.Module):
         return F.normalize(w, dim=-1) if self.l2_norm else w
 
     def lookup(self, z: torch.Tensor) -> torch.Tensor:
-        """z [..., C] -> nearest code indices [...]."""
-        zf = F.normalize(z, dim=-1) if self.l2_norm else z
-        e = self.codebook()
-        d = zf.pow(2).sum(-1, keepdim=True) + e.pow(2).sum(-1) - 2 * zf @ e.t()
-        return d.argmin(-1)
+        """z [..., C] -> nearest code indices [...], in fp32 even under autocast (ties must not flip)."""
+        with torch.autocast(z.device.type, enabled=False):
+            zf = F.normalize(z.float(), dim=-1) if self.l2_norm else z.float()
+            e = self.codebook().float()
+            d = zf.pow(2).sum(-1, keepdim=True) + e.pow(2).sum(-1) - 2 * zf @ e.t()
+            return d.argmin(-1)
 
     def get_codebook_entry(self, idx: torch.Tensor, shape=None) -> torch.Tensor:
         z = self.codebook()[idx]

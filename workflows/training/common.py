@@ -1,4 +1,5 @@
-"""The training loop every stage shares: AdamW, warmup + cosine LR, progress lines with ETA."""
+"""The training loop every stage shares: AdamW, warmup + cosine LR, bf16 autocast where the CPU has
+fast bf16 matmuls (AMX or AVX512-BF16; fp32 master weights), progress lines with ETA."""
 from __future__ import annotations
 
 import logging
@@ -9,6 +10,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from decoding.bundle import pick_dtype
 from decoding.shapes import render, sample_scenes
 
 log = logging.getLogger("arspec.train")
@@ -19,12 +21,15 @@ def run_steps(name: str, params, step_fn: Callable[[int], tuple[torch.Tensor, di
               log_every: int = 50, grad_clip: float = 1.0) -> dict:
     params = [p for p in params if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr, betas=betas, weight_decay=weight_decay)
+    dtype = pick_dtype("auto", torch.device("cpu"))
+    log.info(f"[{name}] {sum(p.numel() for p in params) / 1e6:.2f}M trainable parameters, autocast {dtype}")
     t0, ema = time.time(), {}
     for step in range(steps):
         scale = min(1.0, (step + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * step / steps))
         for g in opt.param_groups:
             g["lr"] = lr * max(scale, 0.02)
-        loss, metrics = step_fn(step)
+        with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
+            loss, metrics = step_fn(step)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         if grad_clip:

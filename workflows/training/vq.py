@@ -55,11 +55,12 @@ def train_vq(cfg, out_dir) -> dict:
             dead = (usage == 0).nonzero().flatten()
             if len(dead):
                 with torch.no_grad():
-                    z = F.normalize(vq.encode_pre(x).reshape(-1, args.codebook_embed_dim), dim=-1)
+                    z = F.normalize(vq.encode_pre(x).float().reshape(-1, args.codebook_embed_dim), dim=-1)
                     vq.quantize.embedding.weight[dead] = z[torch.randint(len(z), (len(dead),), generator=gen)]
             usage.zero_()
         rec, vq_loss, idx = vq.forward_train(x)
         usage.index_add_(0, idx.flatten(), torch.ones(idx.numel()))
+        rec = rec.float()
         rec_loss = (rec - x).abs().mean() + F.mse_loss(rec, x)
         return rec_loss + vq_loss, {"rec": rec_loss.item()}
 
