@@ -2,7 +2,10 @@
 
 A scene is one shape (circle, square, triangle, star) of a colour and size at one of five positions, on a
 flat or speckled background. Flat backgrounds are easy regions for a draft tree, object edges and speckle
-are hard ones; captions come from a small grammar so prompt adherence can be scored exactly.
+are hard ones; captions come from a small grammar so prompt adherence can be scored exactly. Speckle
+shades about a third of the cells of a 4-pixel lattice (one token of a 16x16 tokenizer), each cell
+lighter or darker than the ground: a token there has three likely values (~0.9 nats), real ambiguity
+that a model can still learn, where pixel-level noise would be mostly unlearnable entropy.
 
     >>> scene = Scene.sample(np.random.default_rng(0))
     >>> scene.caption
@@ -33,6 +36,8 @@ TEXTURES = ("plain", "speckled")
 ATTRIBUTES = {"shape": SHAPES, "colour": tuple(COLOURS), "size": tuple(SIZES),
               "position": tuple(POSITIONS), "background": tuple(COLOURS), "texture": TEXTURES}
 SUPERSAMPLE = 4
+CELL = 4                # speckle lattice: one dot per 4x4 cell at most (one VQ token at 16x16)
+SPECKLE_DENSITY = 0.35
 
 
 @dataclass(frozen=True)
@@ -120,16 +125,16 @@ def render(scene: Scene) -> np.ndarray:
     bg = COLOURS[scene.background]
     img = np.empty((SIZE, SIZE, 3), np.uint8)
     img[:] = bg
-    if scene.texture == "speckled":  # 2x2 dots on a 2-pixel lattice, lighter or darker than the ground
-        dots = rng.random((SIZE // 2, SIZE // 2)) < 0.35
-        sign = np.where(rng.random((SIZE // 2, SIZE // 2)) < 0.5, -1, 1)
+    if scene.texture == "speckled":  # about a third of the cells of a 4-pixel lattice, lighter or darker
+        n = SIZE // CELL
+        dots = rng.random((n, n)) < SPECKLE_DENSITY
+        sign = np.where(rng.random((n, n)) < 0.5, -1, 1)
         if sum(bg) < 120:
             sign[:] = 1
         elif sum(bg) > 660:
             sign[:] = -1
         for s in (-1, 1):
-            m = np.kron(dots & (sign == s), np.ones((2, 2), bool))
-            img[m] = _shade(bg, 70 * s)
+            img[np.kron(dots & (sign == s), np.ones((CELL, CELL), bool))] = _shade(bg, 70 * s)
     canvas = Image.fromarray(img).resize((SIZE * k, SIZE * k), Image.NEAREST)
     draw = ImageDraw.Draw(canvas)
     cx, cy = POSITIONS[scene.position]

@@ -20,13 +20,13 @@ class ModelConfig:
     name: str = "shapes"
     weights_dir: Optional[str] = None     # null = the shapes weights shipped in the package
     device: str = "auto"                  # auto = cuda when the actor has a GPU, else cpu
-    dtype: str = "auto"                   # auto = bf16 autocast on CUDA or AMX CPUs, else fp32
+    dtype: str = "auto"                   # auto = bf16 on CUDA or on CPUs with AMX / AVX512-BF16, else fp32
 
 
 @dataclass
 class EngineConfig:
     name: str = "vanilla"                 # vanilla | eagle2 | adt_tree
-    cfg_scale: float = 3.0
+    cfg_scale: float = 1.5
     temperature: float = 1.0
     top_k: int = 0                        # 0 = off
     top_p: float = 1.0
