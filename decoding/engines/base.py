@@ -78,6 +78,8 @@ class CachedModel:
 
     def __init__(self, model, rows: int, seq_len: int, dtype):
         self.model = model
+        if model.rope.device.type == "cpu":  # bf16 attention on a CPU is ~10x slower than fp32 at one
+            dtype = torch.float32             # query per row (bench: forward_costs); K/V are tiny anyway
         key = (rows, seq_len, dtype)
         if getattr(model, "_cache_key", None) != key:  # reuse buffers between batches of one shape
             model.setup_caches(rows, seq_len, dtype)

@@ -171,12 +171,13 @@ class Attention(nn.Module):
         if slots is not None:  # cached decoding; training runs without a cache
             k, v = self.kv_cache.update(slots, k, v)  # -> whole cache [B, S, Hkv, D]
             k, v = k[:, : mask.shape[-1]], v[:, : mask.shape[-1]]  # the mask may cover only a prefix
+            q = q.to(k.dtype)  # the cache may be kept in fp32 (see setup_caches)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if self.n_kv_head != self.n_head:
             k = k.repeat_interleave(self.n_head // self.n_kv_head, dim=1)
             v = v.repeat_interleave(self.n_head // self.n_kv_head, dim=1)
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None])
-        return self.resid_dropout(self.wo(y.transpose(1, 2).reshape(B, T, -1)))
+        return self.resid_dropout(self.wo(y.transpose(1, 2).reshape(B, T, -1).to(x.dtype)))
 
 
 class TransformerBlock(nn.Module):
