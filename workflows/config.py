@@ -59,7 +59,7 @@ class DataConfig:
 @dataclass
 class ClusterConfig:
     address: Optional[str] = None         # attach to a running cluster ("auto" or ray://...); null = local Ray
-    num_actors: int = 1
+    num_actors: Optional[int] = None      # null = one per slot: per GPU, or per num_cpus_per_actor CPUs
     num_cpus_per_actor: float = 1.0
     num_gpus_per_actor: float = 0.0
     batch_size: int = 8

@@ -60,7 +60,7 @@ def validate(c: dict) -> None:
         raise ConfigError(f"engine.name={c['engine']['name']!r} is not an engine: choose one of {sorted(ENGINES)}")
     cl = c["cluster"]
     for key in ("num_actors", "batch_size"):
-        if cl[key] < 1:
+        if cl[key] is not None and cl[key] < 1:
             raise ConfigError(f"cluster.{key}={cl[key]}: must be >= 1")
     if cl["num_cpus_per_actor"] <= 0 and cl["num_gpus_per_actor"] <= 0:
         raise ConfigError("cluster.num_cpus_per_actor and cluster.num_gpus_per_actor are both 0: give actors a slot")
@@ -81,10 +81,19 @@ def start_ray(cl: dict) -> bool:
     if cl["address"]:
         ray.init(address=cl["address"])
         return True
-    need = math.ceil(cl["num_actors"] * cl["num_cpus_per_actor"])
+    need = math.ceil((cl["num_actors"] or 1) * cl["num_cpus_per_actor"])
     ray.init(num_cpus=cl["local_num_cpus"] or max(need, os.cpu_count() or 1),
              num_gpus=None if cl["num_gpus_per_actor"] else 0, include_dashboard=False)
     return True
+
+
+def actor_slots(cl: dict) -> int:
+    """cluster.num_actors=null: as many actors as the Ray cluster has slots (GPUs, or CPU groups)."""
+    import ray
+    res = ray.cluster_resources()
+    if cl["num_gpus_per_actor"] > 0:
+        return max(1, int(res.get("GPU", 0) // cl["num_gpus_per_actor"]))
+    return max(1, int(res.get("CPU", 1) // max(cl["num_cpus_per_actor"], 1e-9)))
 
 
 def summarize(results: list[dict], c: dict, total: int, already: int, seconds: float, ray_start_s: float) -> dict:
@@ -125,7 +134,7 @@ def run(cfg: DictConfig) -> dict:
     pending = [{**it, "seed": prompt_seed(c["seed"], it["prompt_id"])} for it in items if it["prompt_id"] not in done]
     already = len(items) - len(pending)
     log.info(f"[generate] {len(items)} prompts, {already} already in {out_dir}, {len(pending)} to generate "
-             f"with engine={c['engine']['name']} on {c['cluster']['num_actors']} actor(s)")
+             f"with engine={c['engine']['name']}")
     t0 = time.time()
     results, ray_start_s = [], 0.0
     if pending:
@@ -133,6 +142,9 @@ def run(cfg: DictConfig) -> dict:
         batches = [pending[i:i + bs] for i in range(0, len(pending), bs)]
         started = start_ray(c["cluster"])
         ray_start_s = time.time() - t0
+        if c["cluster"]["num_actors"] is None:
+            c["cluster"]["num_actors"] = actor_slots(c["cluster"])
+            log.info(f"[generate] cluster.num_actors=null: {c['cluster']['num_actors']} actor(s), one per slot")
         try:
             results = run_batches(c, out_dir, batches, Progress(len(items), already))
         finally:
