@@ -59,7 +59,7 @@ class Generator:
 
     def run(self, part: str, items: list[dict]) -> dict:
         """Generate one batch and commit it as part `part`. A failing prompt becomes an error row."""
-        t0 = time.perf_counter()
+        t0, started = time.perf_counter(), time.time()
         done, failed = [], []
         try:
             done = list(zip(items, self.generate(items)))
@@ -79,7 +79,8 @@ class Generator:
         return {"part": part, "prompt_ids": [it["prompt_id"] for it in items], "images": len(done),
                 "errors": len(failed), "gen_s": gen_s, "write_s": time.perf_counter() - t0 - gen_s,
                 "tau": [r.mean_accept_len for _, r in done], "wall_s": [r.wall_s for _, r in done],
-                "error_messages": [m for _, m in failed], "node": self.node(), "pid": os.getpid()}
+                "error_messages": [m for _, m in failed], "node": self.node(), "pid": os.getpid(),
+                "started": started, "ended": time.time()}
 
     def _tables(self, done, part: str) -> tuple[pa.Table, pa.Table]:
         e, b = self.engine, self.bundle

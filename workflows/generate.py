@@ -96,9 +96,27 @@ def actor_slots(cl: dict) -> int:
     return max(1, int(res.get("CPU", 1) // max(cl["num_cpus_per_actor"], 1e-9)))
 
 
-def summarize(results: list[dict], c: dict, total: int, already: int, seconds: float, ray_start_s: float) -> dict:
-    """engine_seconds: summed engine time inside the actors; write_seconds: PNG + Parquet; the rest of
-    `seconds` is Ray start, actor start-up (model load) and scheduling."""
+def actor_timeline(results: list[dict], ray_ready: float) -> dict:
+    """From the actors' own clocks: start-up (Ray ready -> an actor's first batch) and idle time (gaps
+    between its batches: scheduling, result hand-off), which is what the job adds per image."""
+    by_actor = {}
+    for r in results:
+        if "started" in r:  # error parts made by the driver carry no actor timing
+            by_actor.setdefault((r["node"], r["pid"]), []).append(r)
+    if not by_actor:
+        return {"actor_start_seconds": None, "idle_seconds": None}
+    starts, idle = [], 0.0
+    for rs in by_actor.values():
+        first, last = min(r["started"] for r in rs), max(r["ended"] for r in rs)
+        starts.append(first - ray_ready)
+        idle += max(0.0, (last - first) - sum(r["gen_s"] + r["write_s"] for r in rs))
+    return {"actor_start_seconds": round(max(starts), 2), "idle_seconds": round(idle, 2)}
+
+
+def summarize(results: list[dict], c: dict, total: int, already: int, seconds: float, ray_start_s: float,
+              ray_ready: float = 0.0) -> dict:
+    """engine_seconds: summed engine time inside the actors; write_seconds: PNG + Parquet; idle_seconds:
+    summed gaps between an actor's batches; the rest of `seconds` is Ray and actor start-up."""
     images = sum(r["images"] for r in results)
     errors = sum(r["errors"] for r in results)
     taus = [t for r in results for t in r["tau"]]
@@ -111,7 +129,7 @@ def summarize(results: list[dict], c: dict, total: int, already: int, seconds: f
             "engine_s_per_image": round(sum(walls) / len(walls), 4) if walls else None,
             "engine_seconds": round(gen, 2),
             "write_seconds": round(sum(r["write_s"] for r in results), 2),
-            "ray_start_seconds": round(ray_start_s, 2),
+            "ray_start_seconds": round(ray_start_s, 2), **actor_timeline(results, ray_ready),
             "num_actors": c["cluster"]["num_actors"], "batch_size": c["cluster"]["batch_size"],
             "nodes": len({r["node"] for r in results if r["node"]}),
             "out_dir": c["out_dir"]}
@@ -151,7 +169,7 @@ def run(cfg: DictConfig) -> dict:
             if started:
                 import ray
                 ray.shutdown()
-    summary = summarize(results, c, len(items), already, time.time() - t0, ray_start_s)
+    summary = summarize(results, c, len(items), already, time.time() - t0, ray_start_s, t0 + ray_start_s)
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     log.info("[generate] summary " + json.dumps(summary))
     return summary
