@@ -104,7 +104,7 @@ def run_bench(cfg: DictConfig) -> dict:
             for p, r, s in zip(batch, res, scores):
                 rows[n].append({"split": parse_caption(p["prompt"]).split, "tau": r.mean_accept_len,
                                 "target_forwards": r.target_forwards, "draft_forwards": r.draft_forwards,
-                                "wall_s": r.wall_s, "adherence": s, "batch": bi})
+                                "wall_s": r.wall_s, "phase_s": r.phase_s, "adherence": s, "batch": bi})
         log.info(f"[bench] batch {bi + 1}/{len(batches)} " +
                  " ".join(f"{n}={np.mean([r['tau'] for r in rows[n]]):.2f}τ" for n in names))
     return {"config": OmegaConf.to_container(cfg, resolve=True), "forward_costs": forward_costs(bundle),
@@ -130,6 +130,9 @@ def summarize(rows: dict, wall: dict, baseline: str) -> dict:
             compression = np.mean([b["target_forwards"] for b in base]) / np.mean([r["target_forwards"] for r in rs])
             speedup = float(np.sum([b["wall_s"] for b in base]) / np.sum([r["wall_s"] for r in rs]))
             adh = mean_adherence([r["adherence"] for r in rs])
+            steps = sum(r["target_forwards"] for r in rs)
+            phases = {k: round(1000 * sum(r["phase_s"].get(k, 0.0) for r in rs) / steps, 2)
+                      for k in rs[0]["phase_s"]}
             out.setdefault(split, {})[n] = {
                 "images": len(rs), "tau": round(float(np.mean([r["tau"] for r in rs])), 3),
                 "step_compression": round(float(compression), 3), "speedup": round(speedup, 3),
@@ -138,6 +141,8 @@ def summarize(rows: dict, wall: dict, baseline: str) -> dict:
                 "efficiency": round(speedup / compression, 3),
                 "s_per_image": round(float(np.mean([r["wall_s"] for r in rs])), 4),
                 "draft_forwards_per_image": round(float(np.mean([r["draft_forwards"] for r in rs])), 1),
+                "ms_per_step": round(1000 * sum(r["wall_s"] for r in rs) / steps, 2),
+                "phase_ms_per_step": phases,  # where a step's time goes (vanilla: the forward)
                 "adherence": adh and adh["all"], "adherence_by_attribute": adh}
     return out
 
@@ -146,10 +151,12 @@ def table(results: dict) -> str:
     lines = []
     for split, engines in results.items():
         lines += [f"\n{split}", "| engine | τ | step compression | speedup (total) | speedup median [p10, p90] | "
-                  "efficiency | s/image | adherence |", "|---|---|---|---|---|---|---|---|"]
+                  "efficiency | s/image | ms/step (phases) | adherence |", "|---|---|---|---|---|---|---|---|---|"]
         for n, r in engines.items():
+            phases = " ".join(f"{k} {v}" for k, v in r["phase_ms_per_step"].items())
             lines.append(f"| {n} | {r['tau']} | {r['step_compression']} | {r['speedup']} | {r['speedup_median']} "
-                         f"{r['speedup_p10_p90']} | {r['efficiency']} | {r['s_per_image']} | {r['adherence']} |")
+                         f"{r['speedup_p10_p90']} | {r['efficiency']} | {r['s_per_image']} | {r['ms_per_step']} "
+                         f"({phases}) | {r['adherence']} |")
     return "\n".join(lines)
 
 

@@ -7,6 +7,7 @@ for the uncond half by `Engine.rows`. Logical positions: condition tokens 0..L-1
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -28,6 +29,7 @@ class ImageResult:
     draft_forwards: int
     wall_s: float                 # the batch's engine wall time / batch size
     unknown_words: int = 0
+    phase_s: dict = field(default_factory=dict)  # the batch's seconds per step phase / batch size
 
     @property
     def mean_accept_len(self) -> float:
@@ -36,9 +38,10 @@ class ImageResult:
 
 
 class TokenLog:
-    """Per-prompt token records, filled as tokens are committed."""
+    """Per-prompt token records, filled as tokens are committed, and the batch's time per step phase."""
 
     def __init__(self, B: int, N: int):
+        self.phase_s: dict[str, float] = {}
         self.tokens = np.zeros((B, N), np.int64)
         self.cols = {c: np.zeros((B, N), np.int64) for c in ("step", "accept_len", "tree_depth", "tree_width")}
         self.cols["accepted"] = np.zeros((B, N), bool)
@@ -59,6 +62,13 @@ class TokenLog:
         if q_draft is not None:
             self.cols["q_draft"][b, s] = q_draft
         self.n[b] += k
+
+    @contextmanager
+    def phase(self, name: str):
+        """Time one phase of a decoding step (draft, verify, ...): the bench reports ms per step."""
+        t0 = time.perf_counter()
+        yield
+        self.phase_s[name] = self.phase_s.get(name, 0.0) + time.perf_counter() - t0
 
     def records(self, b: int) -> dict:
         return {"token_id": self.tokens[b].copy(), **{c: v[b].copy() for c, v in self.cols.items()}}
@@ -143,8 +153,9 @@ class Engine:
             images = self.bundle.decode(torch.from_numpy(log.tokens))
         wall = (time.perf_counter() - t0) / len(seeds)
         unknown = cond.unknown_words or [0] * len(seeds)
+        phases = {k: v / len(seeds) for k, v in log.phase_s.items()}
         return [ImageResult(log.tokens[b].copy(), images[b], log.records(b), int(log.target_forwards[b]),
-                            int(log.draft_forwards[b]), wall, int(unknown[b])) for b in range(len(seeds))]
+                            int(log.draft_forwards[b]), wall, int(unknown[b]), phases) for b in range(len(seeds))]
 
     def _generate(self, cond: Conditions, gens: list[np.random.Generator]) -> TokenLog:
         raise NotImplementedError

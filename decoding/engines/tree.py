@@ -74,10 +74,14 @@ class TreeEngine(Engine):
                       for b in range(B)]
             d = torch.tensor([min(s[0], max(N - int(log.n[b]) - 1, 0)) for b, s in enumerate(shapes)], device=dev)
             w = torch.tensor([s[1] for s in shapes], device=dev)
-            tree = self._draft(draft, dfeat, P, d, w, budget, log, active)
-            probs, tfeats = self._verify_forward(target, tree, P, log)
-            accepted = self._accept(tree, probs, gens, log, step, d, w, active, policy)
-            dfeat = self._commit(target, draft, tree, tfeats, accepted, P, log, active)
+            with log.phase("draft"):
+                tree = self._draft(draft, dfeat, P, d, w, budget, log, active)
+            with log.phase("verify"):
+                probs, tfeats = self._verify_forward(target, tree, P, log)
+            with log.phase("accept"):
+                accepted = self._accept(tree, probs, gens, log, step, d, w, active, policy)
+            with log.phase("commit"):  # KV compaction + drafter catch-up
+                dfeat = self._commit(target, draft, tree, tfeats, accepted, P, log, active)
         return log
 
     # -- drafting ---------------------------------------------------------------------------------------

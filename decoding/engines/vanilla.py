@@ -27,11 +27,12 @@ class Vanilla(Engine):
             log.target_forwards += 1
             if i == N - 1:
                 break
-            x = torch.from_numpy(log.tokens[:, i]).to(feats.device)
-            slots = see[:, :, 0] + L + i
-            f = self.gpt.forward_embeds(self.gpt.embed_tokens(self.rows(x))[:, None], slots,
-                                        visible(target.valid, see + L + i), slots)
-            target.commit(slots)
-            probs = self.target_probs(f[:, 0])
+            with log.phase("forward"):
+                x = torch.from_numpy(log.tokens[:, i]).to(feats.device)
+                slots = see[:, :, 0] + L + i
+                f = self.gpt.forward_embeds(self.gpt.embed_tokens(self.rows(x))[:, None], slots,
+                                            visible(target.valid, see + L + i), slots)
+                target.commit(slots)
+                probs = self.target_probs(f[:, 0])
         return log
 
