@@ -93,7 +93,7 @@ def actor_slots(cl: dict) -> int:
     res = ray.cluster_resources()
     if cl["num_gpus_per_actor"] > 0:
         return max(1, int(res.get("GPU", 0) // cl["num_gpus_per_actor"]))
-    return max(1, int(res.get("CPU", 1) // max(cl["num_cpus_per_actor"], 1e-9)))
+    return max(1, int(res.get("CPU", 1) // cl["num_cpus_per_actor"]))  # validate() refused 0 CPUs and 0 GPUs
 
 
 def actor_timeline(results: list[dict], ray_ready: float) -> dict:
@@ -114,7 +114,7 @@ def actor_timeline(results: list[dict], ray_ready: float) -> dict:
 
 
 def summarize(results: list[dict], c: dict, total: int, already: int, seconds: float, ray_start_s: float,
-              ray_ready: float = 0.0) -> dict:
+              ray_ready: float) -> dict:
     """engine_seconds: summed engine time inside the actors; write_seconds: PNG + Parquet; idle_seconds:
     summed gaps between an actor's batches; the rest of `seconds` is Ray and actor start-up."""
     images = sum(r["images"] for r in results)
