@@ -56,7 +56,8 @@ def write_tiny_weights(d: Path, grid: int = 4, seed: int = 0) -> Path:
     vq_args = VQArgs(codebook_size=16, codebook_embed_dim=4, ch=32, ch_mult=[1, 2], z_channels=32, num_res_blocks=1)
     text_args = TextArgs(vocab=shapes_vocab(), max_len=6, dim=16, n_layer=1, n_head=2)
     gpt_args = GPTArgs(dim=32, n_layer=1, n_head=2, vocab_size=16, block_size=grid * grid, model_type="t2i",
-                       caption_dim=16, cls_token_num=6, abs_pos_embed=True)
+                       caption_dim=16, cls_token_num=6, abs_pos_embed=True,
+                       cond_rope="identity")
     gpt = GPT(gpt_args)
     for p in gpt.parameters():
         torch.nn.init.normal_(p, std=0.3)

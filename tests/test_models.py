@@ -69,6 +69,11 @@ def test_rope_condition_rows_are_zero_and_cells_follow_rows_and_columns():
     table = rope_table_2d(grid_size=4, head_dim=16, base=10000.0, cls_token_num=3)
     assert table.shape == (3 + 16, 8, 2)
     assert torch.count_nonzero(table[:3]) == 0          # cos = sin = 0: q and k vanish at condition slots
+    kept = rope_table_2d(grid_size=4, head_dim=16, base=10000.0, cls_token_num=3, cond_rope="identity")
+    assert torch.equal(kept[:3, :, 0], torch.ones(3, 8)) and torch.count_nonzero(kept[:3, :, 1]) == 0
+    assert torch.equal(kept[3:], table[3:])
+    with pytest.raises(ValueError, match="cond_rope='none'"):
+        rope_table_2d(grid_size=4, head_dim=16, base=10000.0, cls_token_num=3, cond_rope="none")
     f = 1.0 / 10000 ** (torch.arange(0, 8, 2).float() / 8)
     r, c = 2, 3
     angles = torch.cat([r * f, c * f])
@@ -84,10 +89,10 @@ def _prefix(m, B=2):
     return m.embed_condition(feats), mask
 
 
-@pytest.mark.parametrize("abs_pos", [False, True])
+@pytest.mark.parametrize("abs_pos, cond_rope", [(False, "zero"), (True, "identity")])
 @torch.no_grad()
-def test_cached_decoding_matches_full_forward(abs_pos):
-    m = t2i(abs_pos_embed=abs_pos)
+def test_cached_decoding_matches_full_forward(abs_pos, cond_rope):
+    m = t2i(abs_pos_embed=abs_pos, cond_rope=cond_rope)
     emb, mask = _prefix(m)
     tokens = torch.randint(0, 16, (2, 16))
     full_logits, _ = m.forward_train(emb, tokens, cond_mask=mask)
@@ -107,13 +112,13 @@ def test_cached_decoding_matches_full_forward(abs_pos):
     assert torch.allclose(torch.stack(step_logits, 1), full_logits, atol=1e-4)
 
 
-@pytest.mark.parametrize("abs_pos", [False, True])
+@pytest.mark.parametrize("abs_pos, cond_rope", [(False, "zero"), (True, "identity")])
 @torch.no_grad()
-def test_tree_block_and_compaction_match_sequential_decoding(abs_pos):
+def test_tree_block_and_compaction_match_sequential_decoding(abs_pos, cond_rope):
     """A tree [root, a, b (child of a), c (sibling of a)] in one masked forward gives each node the
     features of its own path; after compacting the path root->a->b, decoding continues as if the
     path had been decoded token by token."""
-    m = t2i(seed=1, abs_pos_embed=abs_pos)
+    m = t2i(seed=1, abs_pos_embed=abs_pos, cond_rope=cond_rope)
     emb, mask = _prefix(m, B=1)
     L, S = 4, 4 + 16 + 8
     prefix_tokens = torch.randint(0, 16, (1, 3))

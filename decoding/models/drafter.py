@@ -27,17 +27,18 @@ class DrafterArgs:
     rope_base: float = 10000.0
     norm_eps: float = 1e-5
     multiple_of: int = 256
+    cond_rope: str = "zero"  # the target's (GPTArgs.cond_rope)
 
     @classmethod
     def for_target(cls, t: GPTArgs, n_layer: int = 1) -> "DrafterArgs":
         return cls(dim=t.dim, n_head=t.n_head, n_layer=n_layer, block_size=t.block_size,
                    cls_token_num=t.cls_token_num, rope_base=t.rope_base, norm_eps=t.norm_eps,
-                   multiple_of=t.multiple_of)
+                   multiple_of=t.multiple_of, cond_rope=t.cond_rope)
 
     def gpt_args(self) -> GPTArgs:
         return GPTArgs(dim=self.dim, n_head=self.n_head, n_layer=self.n_layer, block_size=self.block_size,
                        cls_token_num=self.cls_token_num, rope_base=self.rope_base, norm_eps=self.norm_eps,
-                       multiple_of=self.multiple_of)
+                       multiple_of=self.multiple_of, cond_rope=self.cond_rope)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -52,7 +53,7 @@ class Drafter(nn.Module):
         self.layers = nn.ModuleList(TransformerBlock(g) for _ in range(a.n_layer))
         self.layers[0].attention_norm = nn.Identity()  # EAGLE: no input norm on the first layer
         self.register_buffer("rope", rope_complex(rope_table_2d(g.grid_size, g.head_dim, a.rope_base,
-                                                                a.cls_token_num)), persistent=False)
+                                                                a.cls_token_num, a.cond_rope)), persistent=False)
 
     def setup_caches(self, batch: int, seq_len: int, dtype=torch.float32):
         g = self.args.gpt_args()

@@ -50,6 +50,11 @@ class GPTArgs:
     # added to its input. RoPE gives only relative offsets, and a small model trained for minutes on a
     # CPU cannot tell from them where in the image it is; the shipped shapes model turns this on.
     abs_pos_embed: bool = False
+    # RoPE rows of the condition positions. "zero" is LlamaGen's (cos = sin = 0, so q and k vanish there and
+    # every image token reads the plain average of the caption's values; its checkpoints need it).
+    # "identity" (cos = 1, sin = 0) keeps their keys, so an image token can attend to one word: the
+    # shipped shapes model uses it, a small model cannot learn left from right through the average.
+    cond_rope: str = "zero"
 
     @property
     def head_dim(self) -> int:
@@ -193,15 +198,21 @@ class TransformerBlock(nn.Module):
         return h + self.feed_forward(self.ffn_norm(h))
 
 
-def rope_table_2d(grid_size: int, head_dim: int, base: float, cls_token_num: int) -> torch.Tensor:
-    """[cls + grid², head_dim/2, 2]: condition rows zero; cell (r, c) gets concat(r·f, c·f)."""
+def rope_table_2d(grid_size: int, head_dim: int, base: float, cls_token_num: int,
+                  cond_rope: str = "zero") -> torch.Tensor:
+    """[cls + grid², head_dim/2, 2]: condition rows zero (or cos 1, sin 0); cell (r, c) gets concat(r·f, c·f)."""
+    if cond_rope not in ("zero", "identity"):
+        raise ValueError(f"model cond_rope={cond_rope!r}: use 'zero' (LlamaGen) or 'identity'")
     half = head_dim // 2
     freqs = 1.0 / base ** (torch.arange(0, half, 2)[: half // 2].float() / half)
     t = torch.arange(grid_size, dtype=torch.float32)
     f = torch.outer(t, freqs)
     grid = torch.cat([f[:, None, :].expand(-1, grid_size, -1), f[None, :, :].expand(grid_size, -1, -1)], -1)
     table = torch.stack([grid.cos(), grid.sin()], -1).flatten(0, 1)
-    return torch.cat([torch.zeros(cls_token_num, half, 2), table])
+    cond = torch.zeros(cls_token_num, half, 2)
+    if cond_rope == "identity":
+        cond[..., 0] = 1.0
+    return torch.cat([cond, table])
 
 
 def rope_complex(table: torch.Tensor) -> torch.Tensor:
@@ -227,7 +238,7 @@ class GPT(nn.Module):
         self.norm = RMSNorm(a.dim, a.norm_eps)
         self.output = nn.Linear(a.dim, a.vocab_size, bias=False)
         self.register_buffer("rope", rope_complex(rope_table_2d(a.grid_size, a.head_dim, a.rope_base,
-                                                                a.cls_token_num)), persistent=False)
+                                                                a.cls_token_num, a.cond_rope)), persistent=False)
         self.apply(self._init)
 
     @staticmethod

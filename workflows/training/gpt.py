@@ -36,7 +36,8 @@ def train_gpt(cfg, out_dir) -> dict:
     grid = 64 // vq.args.downsample
     args = GPTArgs(dim=cfg.dim, n_layer=cfg.n_layer, n_head=cfg.n_head, vocab_size=vq.args.codebook_size,
                    block_size=grid * grid, model_type="t2i", caption_dim=cfg.text_dim,
-                   cls_token_num=cfg.text_len, class_dropout_prob=cfg.cond_dropout, abs_pos_embed=cfg.abs_pos_embed)
+                   cls_token_num=cfg.text_len, class_dropout_prob=cfg.cond_dropout, abs_pos_embed=cfg.abs_pos_embed,
+                   cond_rope=cfg.cond_rope)
     gpt = GPT(args)
     if cfg.resume:  # continue from the gpt/text weights already in out_dir (same architecture)
         gpt.load_state_dict(load_stage(out_dir, "gpt").state_dict())
