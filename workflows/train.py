@@ -44,10 +44,11 @@ def training_card(report: dict, out_dir: Path) -> str:
     for name, r in report.items():
         metrics = {k: v for k, v in r["metrics"].items()}
         lines += [f"## {name}", ""]
-        for earlier in r.get("resumed_from", []):  # a stage continued from its own earlier weights
-            lines += [f"- first: `{earlier['command']}` ({earlier['minutes']} min, reached "
-                      f"`{json.dumps(earlier['metrics'])}`), then resumed:"]
-        lines += [f"- command: `{r['command']}`", f"- minutes: {r['minutes']} "
+        chain = r.get("resumed_from", [])  # a stage continued from its own earlier weights
+        for i, earlier in enumerate(chain):
+            lines += [f"- {'first' if i == 0 else 'then'}: `{earlier['command']}` ({earlier['minutes']} min, "
+                      f"reached `{json.dumps(earlier['metrics'])}`)"]
+        lines += [f"- {'then, these weights' if chain else 'command'}: `{r['command']}`", f"- minutes: {r['minutes']} "
                   f"(torch {r['torch']}, {r['threads']} threads)", f"- final metrics: `{json.dumps(metrics)}`", ""]
     return "\n".join(lines)
 
