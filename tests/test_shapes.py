@@ -64,3 +64,15 @@ def test_shipped_model_draws_what_the_caption_says():
     for attr in ("background", "colour", "size", "texture", "position", "shape"):
         assert np.mean([s[attr] for s in scores]) >= 0.75, attr
     assert np.mean([s["all"] for s in scores]) >= 0.6
+
+
+def test_shipped_model_reads_the_shape_and_position_words():
+    """Caption choice on held-out renders: the true caption must make the image's tokens more likely than
+    the same caption with another shape (chance 1/4) or position (1/5). The GPT trained with LlamaGen's
+    zeroed condition keys scored 0.57 and 0.74 on 96 renders, and 0.5 on shape on these 16."""
+    from workflows.training.common import render_pool
+    from workflows.training.gpt import caption_choice, tokenize_pool
+    vq, gpt, text = (load_module(SHAPES_DIR / f"{k}.safetensors", k) for k in ("vq", "gpt", "text"))
+    scenes, images = render_pool(16, seed=99)
+    acc = caption_choice(gpt, text, scenes, tokenize_pool(vq, images))
+    assert acc["shape"] >= 0.9 and acc["position"] >= 0.9, acc
