@@ -42,14 +42,13 @@ def training_card(report: dict, out_dir: Path) -> str:
     lines += [f"| {f.name} | {f.stat().st_size:,} |" for f in files]
     lines += [f"| total | {sum(f.stat().st_size for f in files):,} |", ""]
     for name, r in report.items():
-        metrics = {k: v for k, v in r["metrics"].items()}
         lines += [f"## {name}", ""]
         chain = r.get("resumed_from", [])  # a stage continued from its own earlier weights
         for i, earlier in enumerate(chain):
             lines += [f"- {'first' if i == 0 else 'then'}: `{earlier['command']}` ({earlier['minutes']} min, "
                       f"reached `{json.dumps(earlier['metrics'])}`)"]
         lines += [f"- {'then, these weights' if chain else 'command'}: `{r['command']}`", f"- minutes: {r['minutes']} "
-                  f"(torch {r['torch']}, {r['threads']} threads)", f"- final metrics: `{json.dumps(metrics)}`", ""]
+                  f"(torch {r['torch']}, {r['threads']} threads)", f"- final metrics: `{json.dumps(r['metrics'])}`", ""]
     return "\n".join(lines)
 
 

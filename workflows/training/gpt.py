@@ -96,7 +96,8 @@ def caption_choice(gpt, text, scenes: list[Scene], tokens: torch.Tensor, attrs=(
     for attr in attrs:
         right = 0
         for scene, t in zip(scenes, tokens):
-            values = [v for v in ATTRIBUTES[attr] if attr != "colour" or v != scene.background]
+            taken = {scene.colour, scene.background} - {getattr(scene, attr)}  # a scene's two colours differ
+            values = [v for v in ATTRIBUTES[attr] if v not in taken]
             ids, mask, _ = text.tokenize([dataclasses.replace(scene, **{attr: v}).caption for v in values])
             cond = gpt.embed_condition(text(ids, mask), torch.zeros(len(values), dtype=torch.bool))
             logits, _ = gpt.forward_train(cond, t[None].expand(len(values), -1), cond_mask=mask)
