@@ -7,42 +7,46 @@ import logging
 import os
 import time
 import traceback
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Optional
 
-import numpy as np
 import pyarrow as pa
 import torch
 
-from actors.output import ERROR_SCHEMA, IMAGE_SCHEMA, TOKEN_SCHEMA, png_bytes, write_part
-from decoding.bundle import load_shapes_bundle
+from actors.output import ERROR_SCHEMA, IMAGE_SCHEMA, png_bytes, token_table, write_part
 from decoding.engines import build_engine
-from decoding.shapes import parse_caption
+from decoding.registry import load_bundle
 
 log = logging.getLogger("arspec.actor")
 
 
-def load_model(model: dict, device: str):
-    if model["name"] != "shapes":
-        raise ValueError(f"model.name={model['name']!r}: only the built-in 'shapes' bundle is available")
-    return load_shapes_bundle(model.get("weights_dir"), device=device, dtype=model.get("dtype", "auto"))
-
-
-def pick_device(model: dict, gpus: float) -> str:
-    if model.get("device", "auto") != "auto":
-        return model["device"]
-    return "cuda" if gpus > 0 and torch.cuda.is_available() else "cpu"
+@dataclass
+class PartResult:
+    """What an actor (or the driver, for a batch that kept failing) reports for one committed part."""
+    part: str
+    prompt_ids: list[str]
+    images: int
+    errors: int
+    acceptance: str
+    gen_s: float = 0.0                     # engine seconds
+    write_s: float = 0.0                   # PNG + Parquet seconds
+    tau: list[float] = field(default_factory=list)
+    wall_s: list[float] = field(default_factory=list)
+    error_messages: list[str] = field(default_factory=list)
+    node: Optional[str] = None             # None: written by the driver
+    pid: Optional[int] = None
+    started: Optional[float] = None        # the actor's clock
+    ended: Optional[float] = None
 
 
 class Generator:
-    def __init__(self, cfg: dict, out_dir: str):
-        c = cfg["cluster"]
-        threads = c.get("torch_threads") or max(1, int(c.get("num_cpus_per_actor", 1)))
-        torch.set_num_threads(threads)
+    def __init__(self, cfg, out_dir: str):
+        c = cfg.cluster
+        torch.set_num_threads(c.torch_threads or max(1, int(c.num_cpus_per_actor)))
         self.cfg, self.out_dir = cfg, Path(out_dir)
-        self.bundle = load_model(cfg["model"], pick_device(cfg["model"], c.get("num_gpus_per_actor", 0)))
-        e = cfg["engine"]
-        self.engine = build_engine(self.bundle, e)
-        self.acceptance = e.get("acceptance", "exact") if e["name"] != "vanilla" else "exact"
+        self.bundle = load_bundle(cfg.model)
+        self.engine = build_engine(self.bundle, cfg.engine)
 
     def pid(self) -> int:
         return os.getpid()
@@ -53,11 +57,11 @@ class Generator:
         return ray.get_runtime_context().get_node_id() if ray.is_initialized() else "local"
 
     def generate(self, items: list[dict]):
-        """items: [{prompt_id, prompt, seed}] -> engine results, raising if any prompt fails."""
+        """items: [{prompt_id, prompt, seed, ...}] -> engine results, raising if any prompt fails."""
         cond = self.bundle.conditions([it["prompt"] for it in items])
         return self.engine.generate(cond, [it["seed"] for it in items])
 
-    def run(self, part: str, items: list[dict]) -> dict:
+    def run(self, part: str, items: list[dict]) -> PartResult:
         """Generate one batch and commit it as part `part`. A failing prompt becomes an error row."""
         t0, started = time.perf_counter(), time.time()
         done, failed = [], []
@@ -71,47 +75,24 @@ class Generator:
                     failed.append((it, f"{type(e).__name__}: {e}"))
                     log.warning(f"prompt {it['prompt_id']!r} failed: {traceback.format_exc(limit=3)}")
         gen_s = time.perf_counter() - t0
-        images, tokens = self._tables(done, part)
         errors = pa.Table.from_pylist([{"prompt_id": it["prompt_id"], "prompt": it["prompt"], "seed": it["seed"],
                                         "engine": self.engine.name, "error": msg, "part": part}
                                        for it, msg in failed], schema=ERROR_SCHEMA)
-        write_part(self.out_dir, part, images, tokens, errors)
-        return {"part": part, "prompt_ids": [it["prompt_id"] for it in items], "images": len(done),
-                "errors": len(failed), "gen_s": gen_s, "write_s": time.perf_counter() - t0 - gen_s,
-                "tau": [r.mean_accept_len for _, r in done], "wall_s": [r.wall_s for _, r in done],
-                "error_messages": [m for _, m in failed], "node": self.node(), "pid": os.getpid(),
-                "started": started, "ended": time.time()}
+        write_part(self.out_dir, part, self._images(done, part),
+                   token_table([it["prompt_id"] for it, _ in done], [r.records for _, r in done], self.engine.name),
+                   errors)
+        return PartResult(part, [it["prompt_id"] for it in items], len(done), len(failed), self.engine.acceptance,
+                          gen_s, time.perf_counter() - t0 - gen_s, [r.mean_accept_len for _, r in done],
+                          [r.wall_s for _, r in done], [m for _, m in failed], self.node(), os.getpid(), started,
+                          time.time())
 
-    def _tables(self, done, part: str) -> tuple[pa.Table, pa.Table]:
+    def _images(self, done, part: str) -> pa.Table:
         e, b = self.engine, self.bundle
-        rows = []
-        for it, r in done:
-            scene = parse_caption(it["prompt"]) if isinstance(it["prompt"], str) else None
-            rows.append({
-                "prompt_id": it["prompt_id"], "prompt": it["prompt"], "seed": it["seed"], "engine": e.name,
-                "model": b.name, "image": {"bytes": png_bytes(r.image), "path": f"{it['prompt_id']}.png"},
-                "width": r.image.shape[1], "height": r.image.shape[0], "num_tokens": len(r.tokens),
-                "target_forwards": r.target_forwards, "draft_forwards": r.draft_forwards,
-                "mean_accept_len": r.mean_accept_len, "wall_s": r.wall_s, "batch_size": len(done),
-                "acceptance": self.acceptance, "split": scene.split if scene else None,
-                "unknown_words": r.unknown_words, "part": part})
-        images = pa.Table.from_pylist(rows, schema=IMAGE_SCHEMA)
-        return images, self._token_table(done)
-
-    def _token_table(self, done) -> pa.Table:
-        if not done:
-            return TOKEN_SCHEMA.empty_table()
-        G = self.bundle.grid
-        cols = {k: np.concatenate([r.records[k] for _, r in done]) for k in done[0][1].records}
-        n = len(done[0][1].tokens)
-        index = np.tile(np.arange(n), len(done))
-        data = {
-            "prompt_id": np.repeat([it["prompt_id"] for it, _ in done], n),
-            "token_index": index, "row": index // G, "col": index % G,
-            "step": cols["step"], "token_id": cols["token_id"], "accepted": cols["accepted"],
-            "accept_len": cols["accept_len"], "p_target": cols["p_target"], "q_draft": cols["q_draft"],
-            "tree_depth": cols["tree_depth"], "tree_width": cols["tree_width"],
-            "engine": np.repeat(self.engine.name, len(index)),
-        }
-        return pa.Table.from_pydict({f.name: pa.array(data[f.name], f.type, from_pandas=True) for f in TOKEN_SCHEMA},
-                                    schema=TOKEN_SCHEMA)
+        return pa.Table.from_pylist([{
+            "prompt_id": it["prompt_id"], "prompt": it["prompt"], "seed": it["seed"], "engine": e.name,
+            "model": b.name, "image": {"bytes": png_bytes(r.image), "path": f"{it['prompt_id']}.png"},
+            "width": r.image.shape[1], "height": r.image.shape[0], "num_tokens": len(r.tokens),
+            "target_forwards": r.target_forwards, "draft_forwards": r.draft_forwards,
+            "mean_accept_len": r.mean_accept_len, "wall_s": r.wall_s, "batch_size": len(done),
+            "acceptance": e.acceptance, "split": it.get("split"), "unknown_words": r.unknown_words, "part": part}
+            for it, r in done], schema=IMAGE_SCHEMA)

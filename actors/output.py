@@ -1,4 +1,5 @@
-"""The Parquet output contract (DESIGN §5) and the crash-safe way it is written and resumed.
+"""The Parquet output contract (docs/design.md, "Output contract") and the crash-safe way it is
+written and resumed.
 
 out_dir/images/part-X.parquet   one row per image (PNG bytes, HF `Image` feature in the schema metadata)
 out_dir/tokens/part-X.parquet   one row per generated token (the acceptance log)
@@ -22,6 +23,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 from PIL import Image
+
+from decoding.engines.log import TOKEN_COLUMNS
 
 TABLES = ("images", "tokens", "errors")
 
@@ -49,17 +52,27 @@ IMAGE_SCHEMA = _schema([
     ("unknown_words", pa.int32()), ("part", pa.string()),
 ], image_column="image")
 
-TOKEN_SCHEMA = _schema([
-    ("prompt_id", pa.string()), ("token_index", pa.int32()), ("row", pa.int32()), ("col", pa.int32()),
-    ("step", pa.int32()), ("token_id", pa.int32()), ("accepted", pa.bool_()), ("accept_len", pa.int32()),
-    ("p_target", pa.float32()), ("q_draft", pa.float32()), ("tree_depth", pa.int32()), ("tree_width", pa.int32()),
-    ("engine", pa.string()),
-])
+# prompt_id, the engine's per-token columns (decoding/engines/log.py, their one definition), engine
+TOKEN_SCHEMA = _schema([("prompt_id", pa.string()),
+                        *((c.name, pa.from_numpy_dtype(np.dtype(c.dtype))) for c in TOKEN_COLUMNS),
+                        ("engine", pa.string())])
 
 ERROR_SCHEMA = _schema([
     ("prompt_id", pa.string()), ("prompt", pa.string()), ("seed", pa.int64()), ("engine", pa.string()),
     ("error", pa.string()), ("part", pa.string()),
 ])
+
+
+def token_table(prompt_ids: list[str], records: list[dict], engine: str) -> pa.Table:
+    """One row per token of each image: its records (log.TOKEN_COLUMNS) with the prompt id and engine."""
+    if not records:
+        return TOKEN_SCHEMA.empty_table()
+    n = [len(r["token_index"]) for r in records]
+    cols = {"prompt_id": pa.array(np.repeat(prompt_ids, n), pa.string()),
+            **{c.name: pa.array(np.concatenate([r[c.name] for r in records]), TOKEN_SCHEMA.field(c.name).type)
+               for c in TOKEN_COLUMNS},
+            "engine": pa.array([engine] * sum(n), pa.string())}
+    return pa.Table.from_pydict(cols, schema=TOKEN_SCHEMA)
 
 
 def png_bytes(image: np.ndarray) -> bytes:

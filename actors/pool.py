@@ -2,7 +2,7 @@
 
 Ray Core actors rather than Ray Data `map_batches`: the job owns its resume (committed parts, see
 output.py) because Ray Data's checkpoint filter hung on small CPU counts and its Parquet writer is
-not atomic (DESIGN §5), and a batch must be retried as a unit, under the same part name, so that a
+not atomic (docs/design.md, "Output contract"), and a batch must be retried as a unit, under the same part name, so that a
 retry replaces rather than duplicates. Each actor loads the model once and keeps two batches in
 flight. A killed actor is restarted by Ray and its in-flight batches retried (max_restarts /
 max_task_retries); a batch that keeps killing its actor is written as error rows after
@@ -20,7 +20,7 @@ import pyarrow as pa
 import ray
 from ray.exceptions import RayActorError, RayTaskError
 
-from actors.generator import Generator
+from actors.generator import Generator, PartResult
 from actors.output import ERROR_SCHEMA, IMAGE_SCHEMA, TOKEN_SCHEMA, append_manifest, write_part
 
 log = logging.getLogger("arspec.job")
@@ -39,9 +39,9 @@ class Progress:
         self.images = self.errors = 0
         self.t0 = self.last = time.time()
 
-    def update(self, res: dict) -> None:
-        self.images += res["images"]
-        self.errors += res["errors"]
+    def update(self, res: PartResult) -> None:
+        self.images += res.images
+        self.errors += res.errors
         now = time.time()
         if now - self.last >= self.every_s or self.done >= self.total:
             self.last = now
@@ -55,22 +55,21 @@ class Progress:
         return self.already + self.images + self.errors
 
 
-def _error_part(out_dir: Path, part: str, items: list[dict], engine: str, reason: str) -> dict:
+def _error_part(out_dir: Path, part: str, items: list[dict], engine: str, reason: str) -> PartResult:
     rows = [{"prompt_id": it["prompt_id"], "prompt": it["prompt"], "seed": it["seed"], "engine": engine,
              "error": reason, "part": part} for it in items]
     write_part(out_dir, part, IMAGE_SCHEMA.empty_table(), TOKEN_SCHEMA.empty_table(),
                pa.Table.from_pylist(rows, schema=ERROR_SCHEMA))
-    return {"part": part, "prompt_ids": [it["prompt_id"] for it in items], "images": 0, "errors": len(items),
-            "gen_s": 0.0, "write_s": 0.0, "tau": [], "wall_s": [], "error_messages": [reason] * len(items),
-            "node": None, "pid": None}
+    return PartResult(part, [it["prompt_id"] for it in items], 0, len(items), acceptance="",
+                      error_messages=[reason] * len(items))
 
 
-def run_batches(cfg: dict, out_dir: Path, batches: list[list[dict]], progress: Progress) -> list[dict]:
-    c = cfg["cluster"]
+def run_batches(cfg, out_dir: Path, batches: list[list[dict]], progress: Progress) -> list[PartResult]:
+    c = cfg.cluster
     actor_cls = ray.remote(Generator).options(
-        num_cpus=c["num_cpus_per_actor"], num_gpus=c["num_gpus_per_actor"],
-        max_restarts=c["max_actor_restarts"], max_task_retries=c["max_actor_restarts"])
-    n = max(1, min(c["num_actors"], len(batches)))
+        num_cpus=c.num_cpus_per_actor, num_gpus=c.num_gpus_per_actor,
+        max_restarts=c.max_actor_restarts, max_task_retries=c.max_actor_restarts)
+    n = max(1, min(c.num_actors, len(batches)))
     actors = [actor_cls.remote(cfg, str(out_dir)) for _ in range(n)]
     queue, attempts, inflight, results = deque(enumerate(batches)), {}, {}, []
 
@@ -94,12 +93,12 @@ def run_batches(cfg: dict, out_dir: Path, batches: list[list[dict]], progress: P
             if isinstance(e, RayActorError) and actors[a] is actor:  # restarts used up: replace it
                 ray.kill(actor, no_restart=True)
                 actors[a] = actor_cls.remote(cfg, str(out_dir))
-            if attempts[i] <= c["max_actor_restarts"]:
+            if attempts[i] <= c.max_actor_restarts:
                 queue.appendleft((i, batches[i]))
                 submit(a)
                 continue
-            res = _error_part(out_dir, part_name(batches[i]), batches[i], cfg["engine"]["name"], reason)
-        append_manifest(out_dir, res["part"], res["prompt_ids"], res["images"], res["errors"])
+            res = _error_part(out_dir, part_name(batches[i]), batches[i], cfg.engine.name, reason)
+        append_manifest(out_dir, res.part, res.prompt_ids, res.images, res.errors)
         results.append(res)
         progress.update(res)
         submit(a)

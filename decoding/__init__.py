@@ -1,0 +1,10 @@
+"""arspec's decoding core: models, engines, sampling. Plain PyTorch (no Ray, no Hydra): docs/design.md.
+
+BYTES_VERSION names how this code turns (settings, seed, prompt) into tokens and image bytes. Bump it
+with any change that alters them for the same inputs (the random streams, the sampler, an engine's
+use of its draws): the job records it in out_dir/job.json and refuses to complete an out_dir written
+by another version, whose images would not match. tests/test_sampling.py pins the tokens it gives.
+  1  numpy PCG64 stream per prompt, host-side inverse CDF
+  2  counter-based hash streams on the device (decoding/sampling.py), device-side sampling and trials
+"""
+BYTES_VERSION = 2

@@ -1,45 +1,17 @@
-"""A model bundle: tokenizer + target GPT (+ text encoder, + drafter), loaded once per actor.
-
-The built-in `shapes` bundle lives in decoding/weights/shapes/ as safetensors files whose metadata
-carries each model's arguments, so loading needs no flags.
-"""
+"""A model bundle: tokenizer + target GPT (+ text encoder, + drafter), loaded once per actor by
+`decoding.registry.load_bundle`, with the model family's sampling defaults."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Optional
 
 import numpy as np
 import torch
 
-from decoding.checkpoint import read_safetensors
-from decoding.models.gpt import GPT, GPTArgs
-from decoding.models.text import TextArgs, TextEncoder
-from decoding.models.vq import VQArgs, VQModel
-
-SHAPES_DIR = Path(__file__).parent / "weights" / "shapes"
-
-
-def _builders():
-    from decoding.models.drafter import Drafter, DrafterArgs
-    from decoding.scorer import Scorer, ScorerArgs
-    return {"vq": (VQArgs, VQModel), "gpt": (GPTArgs, GPT), "text": (TextArgs, TextEncoder),
-            "drafter": (DrafterArgs, Drafter), "scorer": (ScorerArgs, Scorer)}
-
-
-def load_module(path: str | Path, expect: Optional[str] = None) -> torch.nn.Module:
-    """Build a model from one of our safetensors files (its kind and arguments are in the metadata)."""
-    path = Path(path)
-    if not path.exists():
-        raise FileNotFoundError(f"checkpoint not found: {path}")
-    sd, meta = read_safetensors(path)
-    kind = meta.get("kind")
-    if expect is not None and kind != expect:
-        raise ValueError(f"{path} holds a {kind!r} model, expected {expect!r}")
-    args_cls, model_cls = _builders()[kind]
-    model = model_cls(args_cls(**meta["args"]))
-    model.load_state_dict(sd, strict=True)
-    return model.eval()
+from decoding.models.gpt import GPT
+from decoding.models.text import TextEncoder
+from decoding.models.vq import VQModel
+from decoding.sampling import NEUTRAL, SamplingParams
 
 
 def cpu_has_fast_bf16() -> bool:
@@ -73,8 +45,8 @@ class Conditions:
 
 class ModelBundle:
     def __init__(self, name: str, vq: VQModel, gpt: GPT, text: Optional[TextEncoder] = None,
-                 drafter=None, device: str = "cpu", dtype: str = "auto"):
-        self.name = name
+                 drafter=None, device: str = "cpu", dtype: str = "auto", sampling: SamplingParams = NEUTRAL):
+        self.name, self.sampling = name, sampling
         self.device = torch.device(device)
         self.dtype = pick_dtype(dtype, self.device)
         # The transformers run in `dtype` (weights cast once, as gpt-fast does: autocast would recast every
@@ -104,16 +76,3 @@ class ModelBundle:
         x = torch.cat([self.vq.decode_code(t[None].to(self.device), shape).float() for t in tokens])
         return ((x.clamp(-1, 1) + 1) * 127.5).round().byte().permute(0, 2, 3, 1).cpu().numpy()
 
-
-def load_shapes_bundle(weights_dir: str | Path | None = None, with_drafter: bool = True,
-                       device: str = "cpu", dtype: str = "auto") -> ModelBundle:
-    d = Path(weights_dir) if weights_dir else SHAPES_DIR
-    missing = [f for f in ("vq", "gpt", "text") if not (d / f"{f}.safetensors").exists()]
-    if missing:
-        raise FileNotFoundError(f"model.weights_dir={d} lacks {', '.join(m + '.safetensors' for m in missing)}; "
-                                f"train them with `python -m workflows.train` or point model.weights_dir elsewhere")
-    drafter = None
-    if with_drafter and (d / "drafter.safetensors").exists():
-        drafter = load_module(d / "drafter.safetensors", "drafter")
-    return ModelBundle("shapes", load_module(d / "vq.safetensors", "vq"), load_module(d / "gpt.safetensors", "gpt"),
-                       load_module(d / "text.safetensors", "text"), drafter, device, dtype)

@@ -1,48 +1,55 @@
-"""Sampling shared by every engine: CFG, the filtered target distribution, per-prompt random streams.
+"""Sampling shared by every engine: its parameters, CFG, the filtered target distribution, and the
+per-prompt random streams, all on the model's device.
 
 Vanilla decoding and speculative verification call the same `filtered_probs`, so "lossless" means
-exactly "the distribution vanilla samples from". Each prompt draws its uniforms from its own PCG64
-stream seeded by `prompt_seed(global_seed, prompt_id)`: an image does not depend on batch size,
-actor count or order, and can be regenerated alone.
+exactly "the distribution vanilla samples from" (docs/design.md, "Sampling").
+
+Random numbers are counter-based: a uniform is a hash of (prompt seed, counters), e.g. (token
+position, trial). Any number of draws per step stays reproducible, draws for B prompts are one batched
+tensor op, and a prompt's image does not depend on its batch, its actor or the order of the job.
 """
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
+from typing import Optional
 
-import numpy as np
 import torch
 
 
-@dataclass(frozen=True)
+@dataclass
 class SamplingParams:
-    cfg_scale: float = 1.0
-    temperature: float = 1.0   # 0 = greedy
-    top_k: int = 0             # 0 = off
-    top_p: float = 1.0         # 1 = off
+    """How a token is drawn from the target's logits. A field left None takes the model family's
+    default (see `decoding.registry`): LlamaGen c2i and t2i, MAR and the shapes models differ."""
+    cfg_scale: Optional[float] = None     # classifier-free guidance; 1 = off
+    temperature: Optional[float] = None   # 0 = greedy
+    top_k: Optional[int] = None           # 0 = off
+    top_p: Optional[float] = None         # 1 = off
 
     def __post_init__(self):
-        if self.temperature < 0:
-            raise ValueError(f"engine.temperature={self.temperature}: must be >= 0 (0 = greedy)")
-        if self.top_k < 0:
-            raise ValueError(f"engine.top_k={self.top_k}: must be >= 0 (0 = off)")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"engine.top_p={self.top_p}: must be in (0, 1]")
-        if self.cfg_scale < 0:
-            raise ValueError(f"engine.cfg_scale={self.cfg_scale}: must be >= 0")
+        checks = {"temperature": (lambda v: v >= 0, "must be >= 0 (0 = greedy)"),
+                  "top_k": (lambda v: v >= 0, "must be >= 0 (0 = off)"),
+                  "top_p": (lambda v: 0 < v <= 1, "must be in (0, 1]"),
+                  "cfg_scale": (lambda v: v >= 0, "must be >= 0 (1 = no guidance)")}
+        for name, (ok, rule) in checks.items():
+            v = getattr(self, name)
+            if v is not None and not ok(v):
+                raise ValueError(f"engine.sampling.{name}={v}: {rule}")
+
+    def over(self, base: "SamplingParams") -> "SamplingParams":
+        """These settings on top of `base` (the model family's defaults): every field set."""
+        out = replace(base, **{f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None})
+        unset = [f.name for f in fields(out) if getattr(out, f.name) is None]
+        if unset:
+            raise ValueError(f"engine.sampling.{unset[0]} is not set and the model has no default for it")
+        return out
 
     @property
     def use_cfg(self) -> bool:
         return self.cfg_scale != 1.0
 
 
-def prompt_seed(global_seed: int, prompt_id: str) -> int:
-    digest = hashlib.blake2b(f"{global_seed}:{prompt_id}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") & (2**63 - 1)
-
-
-def rngs(seeds) -> list[np.random.Generator]:
-    return [np.random.Generator(np.random.PCG64(int(s))) for s in seeds]
+NEUTRAL = SamplingParams(cfg_scale=1.0, temperature=1.0, top_k=0, top_p=1.0)  # plain softmax, no guidance
 
 
 def cfg_combine(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
@@ -54,7 +61,7 @@ def cfg_combine(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
 
 
 def filtered_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
-    """CFG-combined logits [..., V] -> the distribution to sample from (temperature, top-k, top-p)."""
+    """CFG-combined logits [..., V] -> the distribution to sample from (temperature, top-k, top-p), fp32."""
     logits = logits.float()
     if p.temperature == 0:
         return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
@@ -64,14 +71,74 @@ def filtered_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if p.top_p < 1.0:
         sorted_logits, order = logits.sort(dim=-1, descending=True)
-        cum = sorted_logits.softmax(-1).cumsum(-1)
-        drop_sorted = cum - sorted_logits.softmax(-1) > p.top_p  # keep the token that crosses top_p
+        sorted_probs = sorted_logits.softmax(-1)
+        drop_sorted = sorted_probs.cumsum(-1) - sorted_probs > p.top_p  # keep the token that crosses top_p
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     return logits.softmax(-1)
 
 
-def sample_from(probs: np.ndarray, u: float) -> int:
-    """Inverse-CDF draw from an (unnormalised) probability vector with a uniform u in [0, 1)."""
-    c = np.cumsum(probs)
-    return int(min(np.searchsorted(c, u * c[-1], side="right"), len(c) - 1))
+def sample(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF draw: probs [..., V] (unnormalised is fine), u [...] in (0, 1) -> token ids [...].
+    The CDF is summed in float64 on the device: u < 1 - 2^-25 then keeps u * total strictly below the
+    total, so the draw never runs off the end, and a token of zero mass (a flat step) is never drawn."""
+    cdf = probs.double().cumsum(-1)
+    return torch.searchsorted(cdf, (u.double() * cdf[..., -1]).unsqueeze(-1), right=True).squeeze(-1)
+
+
+# -- counter-based random streams ---------------------------------------------------------------------
+_M32 = 0xFFFFFFFF
+
+
+def _hash(x: torch.Tensor) -> torch.Tensor:
+    """PCG output permutation of 32-bit values held in int64 (Jarzynski & Olano 2020, "pcg_hash").
+    The multipliers are below 2^30, so no product leaves int64: the same bits on every device."""
+    s = (x * 747796405 + 2891336453) & _M32
+    w = (((s >> ((s >> 28) + 4)) ^ s) * 277803737) & _M32
+    return (w >> 22) ^ w
+
+
+def prompt_seed(global_seed: int, prompt_id: str) -> int:
+    """A prompt's seed: a function of the job's seed and the prompt's id only."""
+    digest = hashlib.blake2b(f"{global_seed}:{prompt_id}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & (2**63 - 1)
+
+
+class Streams:
+    """One random stream per prompt (row), addressed by integer counters.
+
+    `uniform(c1, c2, ...)` -> float32 tensor in (0, 1) whose leading dimension is the rows; each counter
+    is an int or an int tensor broadcastable to [rows, ...]. Counters below 2^32; the same counters
+    give the same number, different counters independent ones. Engines name their counters by purpose
+    (the first counter), then e.g. token position and trial (docs/design.md, "Random streams").
+    """
+
+    def __init__(self, seeds, device):
+        s = torch.as_tensor([int(x) for x in seeds], dtype=torch.int64, device=device)
+        self.key = _hash(_hash(s & _M32) ^ (s >> 32))       # [B]
+        self.device = device
+
+    def __len__(self) -> int:
+        return len(self.key)
+
+    def bits(self, *counters, rows: Optional[torch.Tensor] = None) -> torch.Tensor:
+        h = self.key if rows is None else self.key[rows]
+        for c in counters:
+            c = torch.as_tensor(c, dtype=torch.int64, device=self.device)
+            h = h.reshape(h.shape + (1,) * max(c.dim() - h.dim(), 0))
+            h = _hash(h ^ (c & _M32))
+        return _hash(h)
+
+    def uniform(self, *counters, rows: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Uniforms on the 2^-24 grid, offset by half a step: strictly inside (0, 1), so log(u) is finite."""
+        return ((self.bits(*counters, rows=rows) >> 8).float() + 0.5) * (1.0 / 2**24)
+
+    def normal(self, *counters, rows: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Standard normals by Box-Muller from two uniforms of the same counters (lanes 0 and 1 of a
+        last counter added here)."""
+        u1, u2 = (self.uniform(*counters, lane, rows=rows) for lane in (0, 1))
+        return torch.sqrt(-2.0 * torch.log(u1)) * torch.cos(2 * torch.pi * u2)
+
+
+# Purposes: the first counter of every draw, so that streams used for different things never meet.
+SAMPLE, ACCEPT, JACOBI, GUMBEL, NOISE = range(1, 6)

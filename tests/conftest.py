@@ -10,7 +10,7 @@ import torch
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
-from decoding.bundle import SHAPES_DIR, Conditions, ModelBundle  # noqa: E402
+from decoding.bundle import Conditions, ModelBundle  # noqa: E402
 from decoding.models.drafter import Drafter, DrafterArgs  # noqa: E402
 from decoding.models.gpt import GPT, GPTArgs  # noqa: E402
 from decoding.models.vq import VQArgs, VQModel  # noqa: E402
@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO.parent / "shared" / "data"
 
 
-def tiny_bundle(vocab=4, grid=2, dim=32, n_layer=2, std=0.5, seed=0, model_type="c2i") -> ModelBundle:
+def tiny_bundle(vocab=4, grid=2, dim=32, n_layer=2, std=0.5, seed=0, model_type="c2i", dtype="float32") -> ModelBundle:
     """Random GPT + drafter over a tiny vocabulary and grid: short sequences whose exact distribution
     can be enumerated. Large init std makes the distributions far from uniform."""
     torch.manual_seed(seed)
@@ -30,7 +30,7 @@ def tiny_bundle(vocab=4, grid=2, dim=32, n_layer=2, std=0.5, seed=0, model_type=
     gpt, drafter = GPT(a), Drafter(DrafterArgs.for_target(a))
     for p in list(gpt.parameters()) + list(drafter.parameters()):
         torch.nn.init.normal_(p, std=std)
-    return ModelBundle("tiny", vq.eval(), gpt.eval(), drafter=drafter.eval(), dtype="float32")
+    return ModelBundle("tiny", vq.eval(), gpt.eval(), drafter=drafter.eval(), dtype=dtype)
 
 
 def labels(n: int, label: int = 1) -> Conditions:
@@ -40,10 +40,6 @@ def labels(n: int, label: int = 1) -> Conditions:
 @pytest.fixture(scope="session")
 def tiny():
     return tiny_bundle()
-
-
-def shipped(*names) -> bool:
-    return all((SHAPES_DIR / f"{n}.safetensors").exists() for n in names)
 
 
 def write_tiny_weights(d: Path, grid: int = 4, seed: int = 0) -> Path:
@@ -62,11 +58,10 @@ def write_tiny_weights(d: Path, grid: int = 4, seed: int = 0) -> Path:
     for p in gpt.parameters():
         torch.nn.init.normal_(p, std=0.3)
     d.mkdir(parents=True, exist_ok=True)
-    save_module(VQModel(vq_args), d / "vq.safetensors", "vq", vq_args.to_dict(), dtype=torch.float32)
-    save_module(TextEncoder(text_args), d / "text.safetensors", "text", text_args.to_dict(), dtype=torch.float32)
-    save_module(gpt, d / "gpt.safetensors", "gpt", gpt_args.to_dict(), dtype=torch.float32)
-    drafter = Drafter(DrafterArgs.for_target(gpt_args))
-    save_module(drafter, d / "drafter.safetensors", "drafter", drafter.args.to_dict(), dtype=torch.float32)
+    save_module(VQModel(vq_args), d / "vq.safetensors", dtype=torch.float32)
+    save_module(TextEncoder(text_args), d / "text.safetensors", dtype=torch.float32)
+    save_module(gpt, d / "gpt.safetensors", dtype=torch.float32)
+    save_module(Drafter(DrafterArgs.for_target(gpt_args)), d / "drafter.safetensors", dtype=torch.float32)
     return d
 
 

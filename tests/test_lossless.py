@@ -1,9 +1,16 @@
 """Losslessness of the speculative engines, proven statistically against the exact distribution.
 
-A tiny random GPT (vocabulary 4, 2x2 grid) makes every 4-token image enumerable: the exact probability
-of each sequence under vanilla sampling (CFG 2.5, temperature 1, top-k 3) is computed from the target,
-and each engine's samples are checked against it with a chi-square test. The same test rejects a
-deliberately wrong acceptance rule, so it has the power to fail.
+Tiny random GPTs make every image enumerable, so the exact probability of each token sequence under
+vanilla sampling is computed from the target (cache-free, teacher-forced) and each engine's samples
+are checked against it with a chi-square test. Two worlds:
+  * "small": vocabulary 4 on a 2x2 grid, CFG 2.5, temperature 1, top-k 3 (every filter path but top-p);
+  * "wide": vocabulary 3 on a 3x3 grid, CFG 2, temperature 1.3, top-k 2, top-p 0.8: nine tokens, so
+    trees are verified and compacted several times per image and a wrong K/V reaches many later tokens
+    (a skipped compaction changes which tokens survive top-k); the temperature and top-p each move about
+    0.09 of the mass (TVD against T = 1 or top-p = 1), so verification that ignores either samples a
+    visibly different distribution.
+The same test rejects deliberately wrong rules (so it has the power to fail); tests/test_oracle.py
+checks every verify-time distribution deterministically.
 """
 from __future__ import annotations
 
@@ -15,23 +22,30 @@ import torch
 from scipy.stats import chisquare
 
 import decoding.engines.tree as tree_module
-from decoding.engines import build_engine
-from decoding.sampling import SamplingParams, cfg_combine, filtered_probs, sample_from
-from tests.conftest import labels
+from decoding.engines import build_engine, engine_config
+from decoding.engines.verify import Verdict
+from decoding.sampling import SamplingParams, cfg_combine, filtered_probs, sample
+from tests.conftest import labels, tiny_bundle
 
-SAMPLING = dict(cfg_scale=2.5, temperature=1.0, top_k=3)
+WORLDS = {
+    "small": dict(bundle=dict(vocab=4, grid=2), sampling=dict(cfg_scale=2.5, temperature=1.0, top_k=3, top_p=1.0)),
+    "wide": dict(bundle=dict(vocab=3, grid=3, std=0.4, seed=2),
+                 sampling=dict(cfg_scale=2.0, temperature=1.3, top_k=2, top_p=0.8)),
+}
 N_SAMPLES = 6000
 ENGINES = {
     "vanilla": {},
     "eagle2": dict(total_tokens=6, depth=3, width=2),
     "adt_tree": dict(total_tokens=6, depth=2, width=2, d_min=1, d_max=3, w_min=1, w_max=3),
     "adt_tree-2d": dict(total_tokens=6, depth=2, width=2, d_min=1, d_max=3, w_min=1, w_max=3, adjacency="2d"),
+    # LANTERN with no relaxation budget is exact: its rank-by-rank masses must reduce to the trials
+    "eagle2-lantern0": dict(total_tokens=6, depth=3, width=2, acceptance="lantern", lantern_k=1, lantern_delta=0.0),
 }
 
 
 @torch.no_grad()
-def exact_distribution(bundle, label: int = 1) -> dict:
-    gpt, sp = bundle.gpt, SamplingParams(**SAMPLING)
+def exact_distribution(bundle, sampling: dict, label: int = 1) -> dict:
+    gpt, sp = bundle.gpt, SamplingParams(**sampling)
     V, N = gpt.args.vocab_size, gpt.args.block_size
     seqs = torch.tensor(list(itertools.product(range(V), repeat=N)))
     lab = torch.full((len(seqs),), label)
@@ -41,8 +55,9 @@ def exact_distribution(bundle, label: int = 1) -> dict:
     return {tuple(s): float(p) for s, p in zip(seqs.tolist(), probs)}
 
 
-def sample_pvalue(bundle, exact: dict, settings: dict, seed0: int = 0) -> float:
-    engine = build_engine(bundle, {"name": settings.get("name", "vanilla"), **SAMPLING, **settings})
+def sample_pvalue(bundle, exact: dict, sampling: dict, variant: str, seed0: int = 0) -> float:
+    name, _, _ = variant.partition("-")
+    engine = build_engine(bundle, engine_config(name, sampling=sampling, **ENGINES[variant]))
     results = engine.generate(labels(N_SAMPLES), list(range(seed0, seed0 + N_SAMPLES)))
     counts = {}
     for r in results:
@@ -52,46 +67,64 @@ def sample_pvalue(bundle, exact: dict, settings: dict, seed0: int = 0) -> float:
     expected = np.array([exact[s] for s in support]) * N_SAMPLES
     observed = np.array([counts.get(s, 0) for s in support], float)
     big = expected >= 5  # pool the rare sequences into one cell
-    obs = np.append(observed[big], observed[~big].sum())
-    exp = np.append(expected[big], expected[~big].sum())
+    obs, exp = observed[big], expected[big]
+    if (~big).any():
+        obs, exp = np.append(obs, observed[~big].sum()), np.append(exp, expected[~big].sum())
     return chisquare(obs, exp * obs.sum() / exp.sum()).pvalue
 
 
-@pytest.fixture(scope="module")
-def exact(tiny):
-    return exact_distribution(tiny)
+@pytest.fixture(scope="module", params=list(WORLDS))
+def world(request):
+    w = WORLDS[request.param]
+    bundle = tiny_bundle(**w["bundle"])
+    return bundle, w["sampling"], exact_distribution(bundle, w["sampling"])
 
 
 @pytest.mark.parametrize("variant", list(ENGINES))
-def test_engine_samples_the_vanilla_distribution(tiny, exact, variant):
-    settings = {"name": variant.split("-")[0], **ENGINES[variant]}
-    assert sample_pvalue(tiny, exact, settings) > 1e-3
+def test_engine_samples_the_vanilla_distribution(world, variant):
+    bundle, sampling, exact = world
+    assert sample_pvalue(bundle, exact, sampling, variant) > 1e-3
 
 
-def wrong_verify(probs, tokens, children, rng, lantern=None):
-    """A broken rule: accept each child with its unrenormalised p, bonus from the full p."""
-    path, p_acc, node = [], [], 0
-    while True:
-        for child in children[node]:
-            if rng.random() < probs[node, tokens[child]]:
-                path.append(child)
-                p_acc.append(float(probs[node, tokens[child]]))
-                node = child
-                break
-        else:
-            bonus = sample_from(probs[node], rng.random())
-            return path, bonus, p_acc, float(probs[node, bonus])
+def unrenormalised_verify(tree, probs, u, u_bonus, lantern=None):
+    """A broken rule: each child accepted with its unrenormalised p, the bonus drawn from the full p."""
+    B, T, V = probs.shape
+    p_node = probs.flatten(1).gather(1, tree.parent.clamp(min=0) * V + tree.tok)
+    before = tree.earlier_siblings
+    acc = tree.node & (u < p_node)
+    first = acc & (torch.bmm(before.float(), acc.float()[..., None])[..., 0] == 0)
+    on_path = tree.node & ~(tree.ancestors & ~first[:, None, :]).any(-1)
+    last = (on_path * torch.arange(T)).amax(1)
+    p_last = probs[torch.arange(B), last]
+    m = on_path.sum(1)
+    bonus = sample(p_last, u_bonus.gather(1, m[:, None])[:, 0])
+    return Verdict(on_path, m, last, bonus, p_node, p_last.gather(1, bonus[:, None])[:, 0])
 
 
-def test_the_test_rejects_a_wrong_acceptance_rule(tiny, exact, monkeypatch):
-    monkeypatch.setattr(tree_module, "verify_tree", wrong_verify)
-    assert sample_pvalue(tiny, exact, {"name": "eagle2", **ENGINES["eagle2"]}) < 1e-6
+def bonus_from_the_unmodified_target(tree, probs, u, u_bonus, lantern=None):
+    """A broken rule: right trials, but the bonus drawn from p without removing the rejected children."""
+    v = tree_module.__dict__["_true_verify"](tree, probs, u, u_bonus, lantern)
+    p_last = probs[torch.arange(len(v.last)), v.last]
+    v.bonus = sample(p_last, u_bonus.gather(1, v.accepted[:, None])[:, 0])
+    return v
+
+
+@pytest.mark.parametrize("broken", [unrenormalised_verify, bonus_from_the_unmodified_target])
+def test_the_test_rejects_a_wrong_acceptance_rule(monkeypatch, broken):
+    w = WORLDS["small"]
+    bundle = tiny_bundle(**w["bundle"])
+    exact = exact_distribution(bundle, w["sampling"])
+    monkeypatch.setitem(tree_module.__dict__, "_true_verify", tree_module.verify)
+    monkeypatch.setattr(tree_module, "verify", broken)
+    assert sample_pvalue(bundle, exact, w["sampling"], "eagle2") < 1e-6
 
 
 @pytest.mark.parametrize("variant", ["vanilla", "eagle2", "adt_tree"])
-def test_image_does_not_depend_on_its_batch(tiny, variant):
+def test_image_does_not_depend_on_its_batch(variant):
     """Per-prompt random streams: the same seed gives the same tokens alone or among others."""
-    engine = build_engine(tiny, {"name": variant, **SAMPLING, **ENGINES[variant]})
+    w = WORLDS["small"]
+    engine = build_engine(tiny_bundle(**w["bundle"]), engine_config(variant.partition("-")[0], sampling=w["sampling"],
+                                                                   **ENGINES[variant]))
     together = engine.generate(labels(5), [11, 12, 13, 14, 15])
     alone = engine.generate(labels(1), [13])
     assert together[2].tokens.tolist() == alone[0].tokens.tolist()

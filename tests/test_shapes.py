@@ -4,11 +4,16 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from decoding.bundle import SHAPES_DIR, load_module, load_shapes_bundle
-from decoding.engines import build_engine
+from decoding.checkpoint import load_module
+from decoding.engines import build_engine, engine_config
+from decoding.models.gpt import GPT
+from decoding.models.text import TextEncoder
+from decoding.models.vq import VQModel
+from decoding.registry import load_bundle
 from decoding.sampling import prompt_seed
-from decoding.scorer import adherence, score_prompts
-from decoding.shapes import ATTRIBUTES, Scene, builtin_prompts, parse_caption, render, sample_scenes
+from decoding.shapes.family import WEIGHTS, ShapesConfig
+from decoding.shapes.scorer import Scorer, adherence, score_prompts
+from decoding.shapes.world import ATTRIBUTES, Scene, builtin_prompts, parse_caption, render, sample_scenes
 
 
 def test_render_is_deterministic_and_scenes_vary():
@@ -42,7 +47,7 @@ def test_builtin_prompts_cover_both_splits():
 
 
 def test_scorer_reads_fresh_renders():
-    scorer = load_module(SHAPES_DIR / "scorer.safetensors", "scorer")
+    scorer = load_module(WEIGHTS / "scorer.safetensors", Scorer)
     scenes = sample_scenes(400, seed=12345)
     preds = scorer.predict(np.stack([render(s) for s in scenes]))
     scores = [adherence(p, s) for p, s in zip(preds, scenes)]
@@ -52,13 +57,13 @@ def test_scorer_reads_fresh_renders():
 
 
 def test_shipped_model_draws_what_the_caption_says():
-    bundle = load_shapes_bundle(dtype="float32")  # the same numbers on every CPU
-    engine = build_engine(bundle, {"name": "vanilla", "cfg_scale": 1.5})  # the job's default
+    bundle = load_bundle(ShapesConfig(device="cpu", dtype="float32"))  # the same numbers on every CPU
+    engine = build_engine(bundle, engine_config("vanilla"))  # the job's default (CFG 1.5, the family's)
     prompts = [r["prompt"] for r in builtin_prompts(16, seed=7)]
     res = engine.generate(bundle.conditions(prompts), [prompt_seed(0, p) for p in prompts])
     images = np.stack([r.image for r in res])
     assert images.shape == (16, 64, 64, 3)
-    scores = score_prompts(load_module(SHAPES_DIR / "scorer.safetensors", "scorer"), images, prompts)
+    scores = score_prompts(load_module(WEIGHTS / "scorer.safetensors", Scorer), images, prompts)
     # by chance (P(>= 12 of 16 right)): 1/7 per colour 1e-7, 1/5 per position 3e-6, 1/4 per shape 4e-5,
     # 1/2 per size or texture 0.04; all six at once has a chance of about 1 in 10,000 per image
     for attr in ("background", "colour", "size", "texture", "position", "shape"):
@@ -72,7 +77,7 @@ def test_shipped_model_reads_the_shape_and_position_words():
     zeroed condition keys scored 0.57 and 0.74 on 96 renders, and 0.5 on shape on these 16."""
     from workflows.training.common import render_pool
     from workflows.training.gpt import caption_choice, tokenize_pool
-    vq, gpt, text = (load_module(SHAPES_DIR / f"{k}.safetensors", k) for k in ("vq", "gpt", "text"))
+    vq, gpt, text = (load_module(WEIGHTS / f"{m.kind}.safetensors", m) for m in (VQModel, GPT, TextEncoder))
     scenes, images = render_pool(16, seed=99)
     acc = caption_choice(gpt, text, scenes, tokenize_pool(vq, images))
     assert acc["shape"] >= 0.9 and acc["position"] >= 0.9, acc

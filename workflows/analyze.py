@@ -21,8 +21,8 @@ import pyarrow.parquet as pq
 from omegaconf import DictConfig
 from PIL import Image
 
-from decoding.bundle import SHAPES_DIR, load_module
-from decoding.scorer import mean_adherence, score_prompts
+from decoding.registry import family
+from decoding.shapes.scorer import mean_adherence, score_prompts
 
 log = logging.getLogger("arspec.analyze")
 
@@ -132,8 +132,8 @@ def plot_by_cell(stats, path: Path) -> None:
 def analyze(run_dir: Path, examples: int = 6, weights_dir: str | None = None) -> dict:
     images, tokens, errors = load_run(run_dir)
     grid = int(round(np.sqrt(tokens.groupby("prompt_id").size().iloc[0])))
-    scorer_path = Path(weights_dir or SHAPES_DIR) / "scorer.safetensors"
-    scorer = load_module(scorer_path, "scorer") if scorer_path.exists() else None
+    shapes = family("shapes")
+    scorer = shapes.scorer(shapes.config(weights_dir=weights_dir))
     stats = cell_stats(images, tokens, grid)
     out_dir = run_dir / "analysis"
     out_dir.mkdir(exist_ok=True)

@@ -22,28 +22,26 @@ from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from omegaconf import DictConfig, OmegaConf
 
-from workflows.config import register
-
-from actors.generator import load_model
-from decoding.bundle import SHAPES_DIR, load_module
 from decoding.engines import build_engine
+from decoding.registry import family, load_bundle
 from decoding.sampling import prompt_seed
-from decoding.scorer import mean_adherence, score_prompts
-from decoding.shapes import builtin_prompts, parse_caption
+from decoding.shapes.scorer import mean_adherence, score_prompts
+from decoding.shapes.world import builtin_prompts
+from workflows.config import cli, one_line_errors, register, to_object
 
 log = logging.getLogger("arspec.bench")
 CONF = Path(__file__).resolve().parents[1] / "conf"
 register()
 
 
-def engine_config(overrides: list[str]) -> dict:
-    """The job's engine config for these `generate` overrides (conf/engine/*.yaml + overrides)."""
+def engine_config(overrides: list[str]):
+    """The job's engine settings for these `generate` overrides (conf/engine/*.yaml + overrides)."""
     if GlobalHydra.instance().is_initialized():  # inside this app: conf/ is already on the search path
         cfg = compose("generate", overrides=list(overrides))
     else:
         with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
             cfg = compose("generate", overrides=list(overrides))
-    return OmegaConf.to_container(cfg.engine, resolve=True)
+    return to_object(cfg.engine)
 
 
 @torch.inference_mode()
@@ -76,8 +74,8 @@ def forward_costs(bundle, sizes=(1, 8, 16, 32, 60), reps: int = 20) -> dict:
 
 def run_bench(cfg: DictConfig) -> dict:
     torch.set_num_threads(cfg.threads)
-    model = OmegaConf.to_container(cfg.model, resolve=True)
-    bundle = load_model(model, "cpu")
+    model = to_object(cfg.model)
+    bundle = load_bundle(model)
     chosen = list(cfg.engines or cfg.variants)
     unknown = [n for n in chosen if n not in cfg.variants]
     if unknown:
@@ -86,8 +84,8 @@ def run_bench(cfg: DictConfig) -> dict:
     if cfg.baseline not in chosen:
         chosen.insert(0, cfg.baseline)
     engines = {name: build_engine(bundle, engine_config(cfg.variants[name])) for name in chosen}
-    scorer_path = Path(model["weights_dir"] or SHAPES_DIR) / "scorer.safetensors"
-    scorer = load_module(scorer_path, "scorer") if scorer_path.exists() else None
+    fam = family(model.name)
+    scorer = fam.scorer(model) if fam.scorer else None
     prompts = builtin_prompts(cfg.prompts, seed=cfg.prompt_seed)
     batches = [prompts[i:i + cfg.batch_size] for i in range(0, len(prompts), cfg.batch_size)]
     names = list(engines)
@@ -102,7 +100,7 @@ def run_bench(cfg: DictConfig) -> dict:
             scores = score_prompts(scorer, np.stack([r.image for r in res]), [p["prompt"] for p in batch]) \
                 if scorer else [None] * len(res)
             for p, r, s in zip(batch, res, scores):
-                rows[n].append({"split": parse_caption(p["prompt"]).split, "tau": r.mean_accept_len,
+                rows[n].append({"split": p["split"], "tau": r.mean_accept_len,
                                 "target_forwards": r.target_forwards, "draft_forwards": r.draft_forwards,
                                 "wall_s": r.wall_s, "phase_s": r.phase_s, "adherence": s, "batch": bi})
         log.info(f"[bench] batch {bi + 1}/{len(batches)} " +
@@ -180,6 +178,7 @@ def plot(results: dict, path: Path) -> None:
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="bench")
+@one_line_errors
 def main(cfg: DictConfig) -> None:
     report = run_bench(cfg)
     out = Path(cfg.out)
@@ -192,4 +191,4 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    cli(main)

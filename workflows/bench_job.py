@@ -18,30 +18,28 @@ from pathlib import Path
 
 import torch
 from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf
 
-from workflows.config import register
+from workflows.config import register, to_object
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 register()
 
 
-def config(overrides: list[str]) -> dict:
+def config(overrides: list[str]):
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        return OmegaConf.to_container(compose("generate", overrides=overrides), resolve=True)
+        return compose("generate", overrides=overrides)
 
 
-def direct(c: dict) -> dict:
+def direct(c) -> dict:
     """The engine alone, in process, with the actor's thread count and batches."""
     from actors.generator import Generator
     from decoding.sampling import prompt_seed
-    from workflows.config import DataConfig
     from workflows.prompts import read_prompts
-    items = [{**it, "seed": prompt_seed(c["seed"], it["prompt_id"])} for it in read_prompts(DataConfig(**c["data"]))]
+    items = [{**it, "seed": prompt_seed(c.seed, it["prompt_id"])} for it in read_prompts(c.data)]
     t0 = time.perf_counter()
-    gen = Generator(c, c["out_dir"])
+    gen = Generator(c, c.out_dir)
     load_s = time.perf_counter() - t0
-    bs, t0 = c["cluster"]["batch_size"], time.perf_counter()
+    bs, t0 = c.cluster.batch_size, time.perf_counter()
     for i in range(0, len(items), bs):
         gen.generate(items[i:i + bs])
     return {"images": len(items), "seconds": round(time.perf_counter() - t0, 2), "load_seconds": round(load_s, 2)}
@@ -50,14 +48,13 @@ def direct(c: dict) -> dict:
 def main(argv: list[str]) -> dict:
     from workflows.generate import run
     with tempfile.TemporaryDirectory() as tmp:
-        c = config(argv + [f"out_dir={tmp}/direct"])
+        c = to_object(config(argv + [f"out_dir={tmp}/direct"]))
         threads = torch.get_num_threads()
         d = direct(c)
         torch.set_num_threads(threads)
         jobs = {}
         for n in (1, 2):
-            cfg = OmegaConf.create(config(argv + [f"out_dir={tmp}/actors{n}", f"cluster.num_actors={n}"]))
-            jobs[n] = run(cfg)
+            jobs[n] = run(config(argv + [f"out_dir={tmp}/actors{n}", f"cluster.num_actors={n}"]))
     one = jobs[1]
     per_image_direct = d["seconds"] / d["images"]
     keys = ("seconds", "images_per_s", "engine_seconds", "write_seconds", "idle_seconds", "ray_start_seconds",

@@ -1,49 +1,25 @@
 """Structured config of the generate job (Hydra): dataclass schemas, YAML groups in conf/.
 
-conf/generate.yaml composes model/, engine/, data/ and cluster/ on top of `GenerateConfig`, so a
-misspelt key or a wrong type is refused by Hydra before anything runs.
+The `engine` and `model` groups take their schemas from decoding/ (each engine's and each model
+family's settings dataclass, the only place their defaults are written): conf/engine/*.yaml and
+conf/model/*.yaml only pick one and note what they change. Hydra then refuses a key the chosen engine
+does not have, or a value of the wrong type, before anything runs; `cli` turns that refusal, and every
+ConfigError, into one line.
 """
 from __future__ import annotations
 
+import functools
+import os
+import sys
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Callable, Optional
 
 from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
 
 
 class ConfigError(ValueError):
     """A bad setting or input, reported as one line naming the field and the fix."""
-
-
-@dataclass
-class ModelConfig:
-    name: str = "shapes"
-    weights_dir: Optional[str] = None     # null = the shapes weights shipped in the package
-    device: str = "auto"                  # auto = cuda when the actor has a GPU, else cpu
-    dtype: str = "auto"                   # auto = bf16 on CUDA or on CPUs with AMX / AVX512-BF16, else fp32
-
-
-@dataclass
-class EngineConfig:
-    name: str = "vanilla"                 # vanilla | eagle2 | adt_tree
-    cfg_scale: float = 1.5
-    temperature: float = 1.0
-    top_k: int = 0                        # 0 = off
-    top_p: float = 1.0
-    # draft trees (eagle2, adt_tree)
-    total_tokens: int = 60                # node budget per tree
-    depth: int = 6                        # eagle2 depth; adt_tree initial depth
-    width: int = 10                       # per-level top-k; adt_tree initial width
-    acceptance: str = "exact"             # exact (lossless) | lantern (relaxed, TVD <= lantern_delta)
-    lantern_k: int = 100
-    lantern_delta: float = 0.1
-    # adt_tree
-    d_min: int = 2
-    d_max: int = 10
-    w_min: int = 1
-    w_max: int = 10
-    beta: float = 0.5
-    adjacency: str = "horizontal"         # horizontal | 2d
 
 
 @dataclass
@@ -70,8 +46,8 @@ class ClusterConfig:
 
 @dataclass
 class GenerateConfig:
-    model: ModelConfig = field(default_factory=ModelConfig)
-    engine: EngineConfig = field(default_factory=EngineConfig)
+    model: Any = MISSING                  # a model family's config (decoding.registry)
+    engine: Any = MISSING                 # an engine's config (decoding.engines)
     data: DataConfig = field(default_factory=DataConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     seed: int = 0
@@ -79,5 +55,71 @@ class GenerateConfig:
 
 
 def register() -> None:
+    from decoding.engines import ENGINES
+    from decoding.registry import families
     cs = ConfigStore.instance()
     cs.store(name="generate_schema", node=GenerateConfig)
+    for name, engine in ENGINES.items():
+        cs.store(group="schema/engine", name=name, node=engine.Config)
+    for name, fam in families().items():
+        cs.store(group="schema/model", name=name, node=fam.config)
+
+
+def one_line(e: BaseException) -> str:
+    """A Hydra/OmegaConf refusal as one line: the setting, the value, and what is wrong with it."""
+    from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
+    from hydra.errors import MissingConfigException
+    cause = e.__cause__ if isinstance(e.__cause__, OmegaConfBaseException) else e
+    if isinstance(e, MissingConfigException):
+        group = str(e).split("Could not find '")[-1].split("'")[0]          # e.g. engine/eagle3
+        g, _, choice = group.rpartition("/")
+        listing = str(e).split("Available options in")[-1].split("Config search path")[0]
+        options = [x.strip() for x in listing.splitlines()[1:] if x.startswith("\t")]
+        return f"{g}={choice}: no such {g}; choose one of {', '.join(options) or '(none)'}"
+    if isinstance(cause, (ConfigAttributeError, ConfigKeyError)) and getattr(cause, "full_key", None):
+        owner = getattr(cause, "object_type", None)
+        known = sorted(getattr(owner, "__dataclass_fields__", {}))
+        key = cause.full_key
+        where = f"{owner.__name__}" if owner else key.rpartition(".")[0]
+        return f"{key}: {where} has no setting {key.rpartition('.')[2]!r}; its settings are {', '.join(known)}"
+    if isinstance(cause, OmegaConfBaseException) and getattr(cause, "full_key", None):
+        return f"{cause.full_key}={cause.value!r}: {str(cause.msg).splitlines()[0]}"
+    return " ".join(str(e).split())
+
+
+def fail(message: str) -> None:
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def one_line_errors(task: Callable) -> Callable:
+    """For a Hydra task function: a ConfigError it raises exits 2 with one `error:` line. (SystemExit
+    passes through Hydra, which would otherwise add its own "Error executing job" line.)"""
+    @functools.wraps(task)
+    def wrapper(*args, **kwargs):
+        try:
+            return task(*args, **kwargs)
+        except ConfigError as e:
+            fail(str(e))
+    return wrapper
+
+
+def to_object(cfg):
+    """The typed config (dataclasses) of a composed Hydra config; a value a dataclass refuses in its
+    __post_init__ (e.g. engine.sampling.top_p=2) is a ConfigError."""
+    from omegaconf import OmegaConf
+    try:
+        return OmegaConf.to_object(cfg)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def cli(main: Callable[[], Any]) -> None:
+    """Run a @hydra.main entry point; a bad setting exits 2 with one `error:` line (no traceback)."""
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+    os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra re-raises instead of printing its own report
+    try:
+        main()
+    except (HydraException, OmegaConfBaseException, ConfigError) as e:
+        fail(one_line(e))

@@ -6,30 +6,33 @@ before Ray starts, with one line naming the field.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
 import os
-import sys
 import time
 from pathlib import Path
 
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 import hydra  # noqa: E402
-from omegaconf import DictConfig, OmegaConf  # noqa: E402
+from omegaconf import DictConfig  # noqa: E402
 
-from workflows.config import ConfigError, DataConfig, register  # noqa: E402
+from decoding import BYTES_VERSION  # noqa: E402
+from workflows.config import ConfigError, GenerateConfig, cli, one_line_errors, register, to_object  # noqa: E402
 
 log = logging.getLogger("arspec.job")
 register()
 
 
-def fingerprint(c: dict) -> dict:
-    """The settings that decide the images: a rerun on the same out_dir must match them."""
-    data = {k: c["data"][k] for k in ("name", "path", "prompt_column", "id_column", "builtin_count")}
-    model = {k: v for k, v in c["model"].items() if k != "device"}
-    return {"model": model, "engine": c["engine"], "data": data, "seed": c["seed"]}
+def fingerprint(c: GenerateConfig) -> dict:
+    """What decides the images: the settings and the version of the code that samples them
+    (decoding.BYTES_VERSION). A rerun on the same out_dir must match it."""
+    data = {k: getattr(c.data, k) for k in ("name", "path", "prompt_column", "id_column", "builtin_count")}
+    model = {k: v for k, v in dataclasses.asdict(c.model).items() if k != "device"}
+    return {"bytes_version": BYTES_VERSION, "model": model, "engine": dataclasses.asdict(c.engine), "data": data,
+            "seed": c.seed}
 
 
 def _flat(d: dict, prefix: str = "") -> dict:
@@ -46,93 +49,95 @@ def check_out_dir(out_dir: Path, fp: dict) -> None:
         path.write_text(json.dumps(fp, indent=2))
         return
     old, new = _flat(json.loads(path.read_text())), _flat(fp)
-    diffs = [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
+    if old.get("bytes_version") != new["bytes_version"]:
+        raise ConfigError(f"out_dir={out_dir} was written by a version of arspec that samples differently "
+                          f"(bytes_version {old.get('bytes_version', 1)}, this one {new['bytes_version']}); "
+                          f"its images cannot be completed with these: use a new out_dir")
+    keys = sorted(set(old) | set(new), key=lambda k: (not k.endswith(".name"), k))  # a changed engine/model first
+    diffs = [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in keys if old.get(k) != new.get(k)]
     if diffs:
         raise ConfigError(f"out_dir={out_dir} was written by a different config ({'; '.join(diffs[:3])}); "
                           f"use a new out_dir or the same settings")
 
 
-def validate(c: dict) -> None:
+def validate(c: GenerateConfig) -> None:
     """Build the model and engine once in the driver: a bad setting fails before any actor starts."""
-    from actors.generator import load_model
-    from decoding.engines import ENGINES, build_engine
-    if c["engine"]["name"] not in ENGINES:
-        raise ConfigError(f"engine.name={c['engine']['name']!r} is not an engine: choose one of {sorted(ENGINES)}")
-    cl = c["cluster"]
+    from decoding.engines import build_engine
+    from decoding.registry import load_bundle
+    cl = c.cluster
     for key in ("num_actors", "batch_size"):
-        if cl[key] is not None and cl[key] < 1:
-            raise ConfigError(f"cluster.{key}={cl[key]}: must be >= 1")
-    if cl["num_cpus_per_actor"] <= 0 and cl["num_gpus_per_actor"] <= 0:
+        if getattr(cl, key) is not None and getattr(cl, key) < 1:
+            raise ConfigError(f"cluster.{key}={getattr(cl, key)}: must be >= 1")
+    if cl.num_cpus_per_actor <= 0 and cl.num_gpus_per_actor <= 0:
         raise ConfigError("cluster.num_cpus_per_actor and cluster.num_gpus_per_actor are both 0: give actors a slot")
     try:
-        bundle = load_model(c["model"], "cpu")
-        build_engine(bundle, c["engine"])
-    except FileNotFoundError as e:
-        raise ConfigError(str(e)) from None
-    except ValueError as e:
+        build_engine(load_bundle(dataclasses.replace(c.model, device="cpu")), c.engine)
+    except (FileNotFoundError, ValueError) as e:
         raise ConfigError(str(e)) from None
 
 
-def start_ray(cl: dict) -> bool:
+def start_ray(cl) -> bool:
     """Attach to cluster.address, or start a local Ray. Returns whether we started it."""
     import ray
     if ray.is_initialized():
         return False
-    if cl["address"]:
-        ray.init(address=cl["address"])
+    if cl.address:
+        ray.init(address=cl.address)
         return True
-    need = math.ceil((cl["num_actors"] or 1) * cl["num_cpus_per_actor"])
-    ray.init(num_cpus=cl["local_num_cpus"] or max(need, os.cpu_count() or 1),
-             num_gpus=None if cl["num_gpus_per_actor"] else 0, include_dashboard=False)
+    need = math.ceil((cl.num_actors or 1) * cl.num_cpus_per_actor)
+    ray.init(num_cpus=cl.local_num_cpus or max(need, os.cpu_count() or 1),
+             num_gpus=None if cl.num_gpus_per_actor else 0, include_dashboard=False)
     return True
 
 
-def actor_slots(cl: dict) -> int:
+def actor_slots(cl) -> int:
     """cluster.num_actors=null: as many actors as the Ray cluster has slots (GPUs, or CPU groups)."""
     import ray
     res = ray.cluster_resources()
-    if cl["num_gpus_per_actor"] > 0:
-        return max(1, int(res.get("GPU", 0) // cl["num_gpus_per_actor"]))
-    return max(1, int(res.get("CPU", 1) // cl["num_cpus_per_actor"]))  # validate() refused 0 CPUs and 0 GPUs
+    if cl.num_gpus_per_actor > 0:
+        return max(1, int(res.get("GPU", 0) // cl.num_gpus_per_actor))
+    return max(1, int(res.get("CPU", 1) // cl.num_cpus_per_actor))  # validate() refused 0 CPUs and 0 GPUs
 
 
-def actor_timeline(results: list[dict], ray_ready: float) -> dict:
+def actor_timeline(results: list, ray_ready: float) -> dict:
     """From the actors' own clocks: start-up (Ray ready -> an actor's first batch) and idle time (gaps
     between its batches: scheduling, result hand-off), which is what the job adds per image."""
     by_actor = {}
     for r in results:
-        if "started" in r:  # error parts made by the driver carry no actor timing
-            by_actor.setdefault((r["node"], r["pid"]), []).append(r)
+        if r.started is not None:  # error parts made by the driver carry no actor timing
+            by_actor.setdefault((r.node, r.pid), []).append(r)
     if not by_actor:
         return {"actor_start_seconds": None, "idle_seconds": None}
     starts, idle = [], 0.0
     for rs in by_actor.values():
-        first, last = min(r["started"] for r in rs), max(r["ended"] for r in rs)
+        first, last = min(r.started for r in rs), max(r.ended for r in rs)
         starts.append(first - ray_ready)
-        idle += max(0.0, (last - first) - sum(r["gen_s"] + r["write_s"] for r in rs))
+        idle += max(0.0, (last - first) - sum(r.gen_s + r.write_s for r in rs))
     return {"actor_start_seconds": round(max(starts), 2), "idle_seconds": round(idle, 2)}
 
 
-def summarize(results: list[dict], c: dict, total: int, already: int, seconds: float, ray_start_s: float,
+def summarize(results: list, c: GenerateConfig, total: int, already: int, seconds: float, ray_start_s: float,
               ray_ready: float) -> dict:
     """engine_seconds: summed engine time inside the actors; write_seconds: PNG + Parquet; idle_seconds:
     summed gaps between an actor's batches; the rest of `seconds` is Ray and actor start-up."""
-    images = sum(r["images"] for r in results)
-    errors = sum(r["errors"] for r in results)
-    taus = [t for r in results for t in r["tau"]]
-    walls = [w for r in results for w in r["wall_s"]]
-    gen = sum(r["gen_s"] for r in results)
-    return {"engine": c["engine"]["name"], "acceptance": c["engine"]["acceptance"], "prompts": total,
+    images = sum(r.images for r in results)
+    errors = sum(r.errors for r in results)
+    taus = [t for r in results for t in r.tau]
+    walls = [w for r in results for w in r.wall_s]
+    gen = sum(r.gen_s for r in results)
+    acceptance = sorted({r.acceptance for r in results if r.acceptance})  # as the engine reports it
+    return {"engine": c.engine.name, "acceptance": acceptance[0] if len(acceptance) == 1 else acceptance or None,
+            "prompts": total,
             "already_done": already, "images": images, "errors": errors, "seconds": round(seconds, 2),
             "images_per_s": round(images / seconds, 3) if seconds > 0 else None,
             "mean_accept_len": round(sum(taus) / len(taus), 3) if taus else None,
             "engine_s_per_image": round(sum(walls) / len(walls), 4) if walls else None,
             "engine_seconds": round(gen, 2),
-            "write_seconds": round(sum(r["write_s"] for r in results), 2),
+            "write_seconds": round(sum(r.write_s for r in results), 2),
             "ray_start_seconds": round(ray_start_s, 2), **actor_timeline(results, ray_ready),
-            "num_actors": c["cluster"]["num_actors"], "batch_size": c["cluster"]["batch_size"],
-            "nodes": len({r["node"] for r in results if r["node"]}),
-            "out_dir": c["out_dir"]}
+            "num_actors": c.cluster.num_actors, "batch_size": c.cluster.batch_size,
+            "nodes": len({r.node for r in results if r.node}),
+            "out_dir": c.out_dir}
 
 
 def run(cfg: DictConfig) -> dict:
@@ -141,28 +146,28 @@ def run(cfg: DictConfig) -> dict:
     from decoding.sampling import prompt_seed
     from workflows.prompts import read_prompts
 
-    c = OmegaConf.to_container(cfg, resolve=True)
-    items = read_prompts(DataConfig(**c["data"]))
+    c: GenerateConfig = to_object(cfg)
+    items = read_prompts(c.data)
     validate(c)
-    out_dir = Path(c["out_dir"])
+    out_dir = Path(c.out_dir)
     check_out_dir(out_dir, fingerprint(c))
     parts = committed(out_dir)
     reconcile_manifest(out_dir, parts)
     done = {pid for ids in parts.values() for pid in ids}
-    pending = [{**it, "seed": prompt_seed(c["seed"], it["prompt_id"])} for it in items if it["prompt_id"] not in done]
+    pending = [{**it, "seed": prompt_seed(c.seed, it["prompt_id"])} for it in items if it["prompt_id"] not in done]
     already = len(items) - len(pending)
     log.info(f"[generate] {len(items)} prompts, {already} already in {out_dir}, {len(pending)} to generate "
-             f"with engine={c['engine']['name']}")
+             f"with engine={c.engine.name}")
     t0 = time.time()
     results, ray_start_s = [], 0.0
     if pending:
-        bs = c["cluster"]["batch_size"]
+        bs = c.cluster.batch_size
         batches = [pending[i:i + bs] for i in range(0, len(pending), bs)]
-        started = start_ray(c["cluster"])
+        started = start_ray(c.cluster)
         ray_start_s = time.time() - t0
-        if c["cluster"]["num_actors"] is None:
-            c["cluster"]["num_actors"] = actor_slots(c["cluster"])
-            log.info(f"[generate] cluster.num_actors=null: {c['cluster']['num_actors']} actor(s), one per slot")
+        if c.cluster.num_actors is None:
+            c.cluster.num_actors = actor_slots(c.cluster)
+            log.info(f"[generate] cluster.num_actors=null: {c.cluster.num_actors} actor(s), one per slot")
         try:
             results = run_batches(c, out_dir, batches, Progress(len(items), already))
         finally:
@@ -176,14 +181,10 @@ def run(cfg: DictConfig) -> dict:
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="generate")
+@one_line_errors
 def main(cfg: DictConfig) -> dict:
-    try:
-        return run(cfg)
-    except ConfigError as e:
-        log.error(f"error: {e}")
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    return run(cfg)
 
 
 if __name__ == "__main__":
-    main()
+    cli(main)

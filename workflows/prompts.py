@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
-from decoding.shapes import builtin_prompts
+from decoding.shapes.world import builtin_prompts
 from workflows.config import ConfigError, DataConfig
 
 PROMPT_COLUMNS = ("prompt", "Prompt", "caption", "text")
@@ -42,7 +42,9 @@ def _read_rows(path: Path) -> list[dict]:
 
 
 def read_prompts(cfg: DataConfig) -> list[dict]:
-    """-> [{"prompt_id": str, "prompt": str | None}] in file order, at most cfg.limit of them."""
+    """-> [{"prompt_id": str, "prompt": str | None, "split": str | None}] in file order, at most cfg.limit
+    of them. `split` (e.g. flat / textured shapes backgrounds) comes from the built-in set or from a
+    `split` column of the file, so the job can report figures per split without knowing the prompts."""
     if cfg.limit is not None and cfg.limit < 0:
         raise ConfigError(f"data.limit={cfg.limit}: must be >= 0, or null for all prompts")
     if cfg.name == "shapes":
@@ -80,7 +82,8 @@ def _read_file(cfg: DataConfig) -> list[dict]:
     for i, r in enumerate(rows):
         text = r.get(prompt_col)
         pid = str(r[cfg.id_column]) if cfg.id_column else derived_id(i, text)
-        out.append({"prompt_id": pid, "prompt": text})
+        split = r.get("split")
+        out.append({"prompt_id": pid, "prompt": text, "split": None if split is None else str(split)})
     seen, dups = set(), []
     for r in out:
         if r["prompt_id"] in seen:

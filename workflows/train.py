@@ -15,7 +15,7 @@ import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from decoding.bundle import SHAPES_DIR
+from decoding.shapes.family import WEIGHTS
 
 log = logging.getLogger("arspec.train")
 
@@ -56,7 +56,7 @@ def training_card(report: dict, out_dir: Path) -> str:
 def main(cfg: DictConfig) -> None:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    out_dir = Path(cfg.out_dir) if cfg.out_dir else SHAPES_DIR
+    out_dir = Path(cfg.out_dir) if cfg.out_dir else WEIGHTS
     fns = stage_fns()
     unknown = [s for s in cfg.stages if s not in fns]
     if unknown:

@@ -1,5 +1,5 @@
-"""What every discrete engine shares: the result type, the per-token log, and a cached model whose
-rows each keep their own visible slots (so speculative steps can run batched with per-row lengths).
+"""What every engine shares: the config base, the result type, and a cached model whose rows each keep
+their own visible slots (so speculative steps can run batched with per-row lengths).
 
 Rows: with CFG a batch of B prompts runs as 2B rows, [cond; uncond]; per-prompt tensors are repeated
 for the uncond half by `Engine.rows`. Logical positions: condition tokens 0..L-1, image token i at L+i.
@@ -7,71 +7,45 @@ for the uncond half by `Engine.rows`. Logical positions: condition tokens 0..L-1
 from __future__ import annotations
 
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import numpy as np
 import torch
 
 from decoding.bundle import Conditions, ModelBundle
+from decoding.engines.log import TokenLog
 from decoding.models.gpt import causal_mask
-from decoding.sampling import SamplingParams, cfg_combine, filtered_probs, rngs
+from decoding.sampling import SamplingParams, Streams, cfg_combine, filtered_probs
 
-RECORD_COLUMNS = ("token_id", "step", "accepted", "accept_len", "p_target", "q_draft", "tree_depth", "tree_width")
+
+@dataclass
+class EngineConfig:
+    """Settings every engine has. Each engine subclasses this with its own settings and defaults: the
+    dataclass is the only place a default is written, and the job's Hydra `engine` schema."""
+    name: str = "vanilla"
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+
+    def validate(self) -> None:
+        """Raise ValueError naming the bad setting (called before any model is loaded)."""
+        SamplingParams(**vars(self.sampling))
 
 
 @dataclass
 class ImageResult:
     tokens: np.ndarray            # [N] code indices, raster order
     image: np.ndarray             # uint8 [H, W, 3]
-    records: dict                 # column -> [N] array, in generation order (= raster order)
+    records: dict                 # column -> [N] array in generation order (log.TOKEN_COLUMNS)
     target_forwards: int
     draft_forwards: int
     wall_s: float                 # the batch's engine wall time / batch size
-    unknown_words: int = 0
     phase_s: dict = field(default_factory=dict)  # the batch's seconds per step phase / batch size
+    unknown_words: int = 0
 
     @property
     def mean_accept_len(self) -> float:
         """τ: tokens committed per target forward."""
         return len(self.tokens) / max(self.target_forwards, 1)
-
-
-class TokenLog:
-    """Per-prompt token records, filled as tokens are committed, and the batch's time per step phase."""
-
-    def __init__(self, B: int, N: int):
-        self.phase_s: dict[str, float] = {}
-        self.tokens = np.zeros((B, N), np.int64)
-        self.cols = {c: np.zeros((B, N), np.int64) for c in ("step", "accept_len", "tree_depth", "tree_width")}
-        self.cols["accepted"] = np.zeros((B, N), bool)
-        self.cols["p_target"] = np.full((B, N), np.nan, np.float32)
-        self.cols["q_draft"] = np.full((B, N), np.nan, np.float32)
-        self.n = np.zeros(B, np.int64)          # committed tokens per prompt
-        self.target_forwards = np.zeros(B, np.int64)
-        self.draft_forwards = np.zeros(B, np.int64)
-
-    def commit(self, b: int, tokens, step: int, accepted, p_target, q_draft=None, depth: int = 0, width: int = 0):
-        i, k = self.n[b], len(tokens)
-        s = slice(i, i + k)
-        self.tokens[b, s] = tokens
-        self.cols["step"][b, s], self.cols["accept_len"][b, s] = step, k
-        self.cols["tree_depth"][b, s], self.cols["tree_width"][b, s] = depth, width
-        self.cols["accepted"][b, s] = accepted
-        self.cols["p_target"][b, s] = p_target
-        if q_draft is not None:
-            self.cols["q_draft"][b, s] = q_draft
-        self.n[b] += k
-
-    @contextmanager
-    def phase(self, name: str):
-        """Time one phase of a decoding step (draft, verify, ...): the bench reports ms per step."""
-        t0 = time.perf_counter()
-        yield
-        self.phase_s[name] = self.phase_s.get(name, 0.0) + time.perf_counter() - t0
-
-    def records(self, b: int) -> dict:
-        return {"token_id": self.tokens[b].copy(), **{c: v[b].copy() for c, v in self.cols.items()}}
 
 
 def visible(valid: torch.Tensor, see: torch.Tensor) -> torch.Tensor:
@@ -106,18 +80,30 @@ class CachedModel:
 
 
 class Engine:
-    """`generate(conditions, seeds) -> [ImageResult]`, one per prompt, for a bundle and sampling params."""
-    name = "base"
-    uses_drafter = False
+    """`generate(conditions, seeds) -> [ImageResult]`, one per prompt (docs/design.md, "Engines")."""
+    name: ClassVar[str] = "base"
+    Config: ClassVar[type] = EngineConfig
+    uses_drafter: ClassVar[bool] = False
 
-    def __init__(self, bundle: ModelBundle, sampling: SamplingParams):
-        self.bundle, self.sampling = bundle, sampling
+    def __init__(self, bundle: ModelBundle, cfg: EngineConfig):
+        if type(cfg) is not self.Config:
+            raise ValueError(f"engine.name={cfg.name!r} does not match the {type(cfg).__name__} settings: "
+                             f"choose the engine with engine={cfg.name}, not engine.name=")
+        cfg.validate()
+        self.bundle, self.cfg = bundle, cfg
+        self.sampling = cfg.sampling.over(bundle.sampling)
         self.gpt = bundle.gpt
         a = self.gpt.args
         self.L, self.N, self.G = a.cls_token_num, a.block_size, a.grid_size
+        self.device = self.gpt.rope.device
         if self.uses_drafter and bundle.drafter is None:
             raise ValueError(f"engine {self.name!r} needs a drafter, and model {bundle.name!r} has none: "
                              f"train one (python -m workflows.train stages=[drafter]) or use engine=vanilla")
+
+    @property
+    def acceptance(self) -> str:
+        """How drafts are accepted: 'exact' (the output distribution is vanilla's) or a relaxation."""
+        return "exact"
 
     # -- helpers shared by engines --------------------------------------------------------------------
     def rows(self, x: torch.Tensor) -> torch.Tensor:
@@ -130,18 +116,18 @@ class Engine:
     def prefill(self, target: CachedModel, cond: Conditions):
         """Run the condition prefix. Returns (features [R, L, dim], condition embeddings [R, L, dim])."""
         B = len(cond.features)
-        drop = torch.arange(len(self.rows(cond.features)), device=target.valid.device) >= B
+        drop = torch.arange(len(self.rows(cond.features)), device=self.device) >= B
         emb = self.gpt.embed_condition(self.rows(cond.features), drop)
         mask = None if cond.mask is None else self.rows(cond.mask)
         R = emb.shape[0]
-        pos = torch.arange(self.L, device=emb.device).expand(R, self.L)
+        pos = torch.arange(self.L, device=self.device).expand(R, self.L)
         feats = self.gpt.forward_embeds(emb, pos, self._prefix_mask(target, mask, R), pos)
         target.valid[:, : self.L] = True if mask is None else mask
         return feats, emb
 
     def _prefix_mask(self, target: CachedModel, mask, R: int) -> torch.Tensor:
-        m = causal_mask(self.L, mask, target.valid.device).expand(R, -1, -1)
-        full = torch.zeros(R, self.L, target.valid.shape[1], dtype=torch.bool, device=m.device)
+        m = causal_mask(self.L, mask, self.device).expand(R, -1, -1)
+        full = torch.zeros(R, self.L, target.valid.shape[1], dtype=torch.bool, device=self.device)
         full[:, :, : self.L] = m
         return full
 
@@ -149,13 +135,16 @@ class Engine:
     def generate(self, cond: Conditions, seeds) -> list[ImageResult]:
         t0 = time.perf_counter()
         with torch.inference_mode():
-            log = self._generate(cond, rngs(seeds))
-            images = self.bundle.decode(torch.from_numpy(log.tokens))
+            log = self._generate(cond, Streams(seeds, self.device))
+            tokens = log.tokens.cpu()
+            images = self.bundle.decode(tokens)
+        records = log.records()
         wall = (time.perf_counter() - t0) / len(seeds)
         unknown = cond.unknown_words or [0] * len(seeds)
         phases = {k: v / len(seeds) for k, v in log.phase_s.items()}
-        return [ImageResult(log.tokens[b].copy(), images[b], log.records(b), int(log.target_forwards[b]),
-                            int(log.draft_forwards[b]), wall, int(unknown[b]), phases) for b in range(len(seeds))]
+        tf, df = log.target_forwards.tolist(), log.draft_forwards.tolist()
+        return [ImageResult(tokens[b].numpy(), images[b], records[b], tf[b], df[b], wall, phases, int(unknown[b]))
+                for b in range(len(seeds))]
 
-    def _generate(self, cond: Conditions, gens: list[np.random.Generator]) -> TokenLog:
+    def _generate(self, cond: Conditions, streams: Streams) -> TokenLog:
         raise NotImplementedError

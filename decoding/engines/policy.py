@@ -1,6 +1,8 @@
-"""Tree-shape policies: how deep (d) and how wide (w = per-level top-k) the next draft tree is.
+"""Tree-shape policies: how deep (d) and how wide (w = per-level top-k) each row's next draft tree is,
+as [B] tensors on the device.
 
-`FixedShape` is EAGLE-2's (same d, w everywhere). `AdjacencyAdaptive` is ADT-Tree (DESIGN §3):
+`FixedShape` is EAGLE-2's (same d, w everywhere). `AdjacencyAdaptive` is ADT-Tree (docs/design.md,
+"ADT-Tree"):
   * horizontal adjacency initialisation: a tree starts from the adapted state of the tree before it in
     the same grid row; the first tree of a row starts from the state recorded at the start of the
     row above (the adapted state of that row's first tree), or the defaults on the first row;
@@ -12,60 +14,62 @@
 """
 from __future__ import annotations
 
-import math
-
-import numpy as np
+import torch
 
 
 class FixedShape:
-    def __init__(self, depth: int, width: int):
-        self.depth, self.width = depth, width
+    def __init__(self, batch: int, depth: int, width: int, device):
+        self.d = torch.full((batch,), depth, dtype=torch.long, device=device)
+        self.w = torch.full((batch,), width, dtype=torch.long, device=device)
 
-    def plan(self, b: int, n: int, accepted: np.ndarray) -> tuple[int, int]:
-        return self.depth, self.width
+    def plan(self, n: torch.Tensor, accepted: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.d, self.w
 
-    def update(self, b: int, d: int, w: int, accepted_drafts: int) -> None:
+    def update(self, d, w, accepted_drafts, active) -> None:
         pass
 
 
-def bisect(d: int, w: int, alpha: float, beta: float, bounds) -> tuple[int, int]:
+def bisect(d, w, alpha, beta: float, bounds):
+    """One bisection step of (d, w) toward the bounds: deeper and narrower where α ≥ β."""
     d_min, d_max, w_min, w_max = bounds
-    if alpha >= beta:
-        return math.ceil((d + d_max) / 2), math.floor((w + w_min) / 2)
-    return math.floor((d + d_min) / 2), math.ceil((w + w_max) / 2)
+    easy = alpha >= beta
+    return (torch.where(easy, (d + d_max + 1) // 2, (d + d_min) // 2),
+            torch.where(easy, (w + w_min) // 2, (w + w_max + 1) // 2))
 
 
 class AdjacencyAdaptive:
-    def __init__(self, batch: int, grid: int, depth: int, width: int, d_min: int, d_max: int,
-                 w_min: int, w_max: int, beta: float, adjacency: str = "horizontal"):
-        if not (1 <= d_min <= depth <= d_max and 1 <= w_min <= width <= w_max):
-            raise ValueError(f"engine.d_min/depth/d_max={d_min}/{depth}/{d_max}, engine.w_min/width/w_max={w_min}/{width}/"
-                             f"{w_max}: need 1 <= d_min <= depth <= d_max and 1 <= w_min <= width <= w_max")
-        if adjacency not in ("horizontal", "2d"):
-            raise ValueError(f"engine.adjacency={adjacency!r}: use 'horizontal' or '2d'")
-        self.grid, self.beta, self.adjacency = grid, beta, adjacency
-        self.bounds = (d_min, d_max, w_min, w_max)
-        self.default = (depth, width)
-        self.state = [self.default] * batch            # adapted state after the last tree
-        self.row = [-1] * batch                         # grid row of the last tree
-        self.row_start = [dict() for _ in range(batch)]  # grid row -> adapted state of its first tree
-        self.first_in_row = [False] * batch
+    def __init__(self, batch: int, grid: int, depth: int, width: int, bounds: tuple, beta: float,
+                 adjacency: str, device):
+        self.grid, self.beta, self.bounds, self.adjacency = grid, beta, bounds, adjacency
+        self.default = torch.tensor([depth, width], device=device)
+        self.state = self.default.repeat(batch, 1)                         # [B, 2] after the last tree
+        self.row = torch.full((batch,), -1, dtype=torch.long, device=device)  # grid row of the last tree
+        self.row_start = self.default.repeat(batch, grid + 2, 1)          # [B, rows + 2, 2]: row r at r + 1 (finished rows plan row G)
+        self.first = torch.zeros(batch, dtype=torch.bool, device=device)  # last tree opened its row
 
-    def plan(self, b: int, n: int, accepted: np.ndarray) -> tuple[int, int]:
-        """(d, w) for the tree whose first drafted token is token n; `accepted` = per-token flags so far."""
-        r, c = divmod(n, self.grid)
-        self.first_in_row[b] = r != self.row[b]
-        if self.first_in_row[b]:
-            self.state[b] = self.row_start[b].get(r - 1, self.default)
-            self.row[b] = r
-        d, w = self.state[b]
-        if self.adjacency == "2d" and r > 0:
-            above = accepted[(r - 1) * self.grid + c: (r - 1) * self.grid + min(c + d, self.grid)]
-            d, w = bisect(d, w, float(above.mean()), self.beta, self.bounds)
+    def plan(self, n: torch.Tensor, accepted: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(d, w) [B] for the trees whose first drafted token is token n [B]; accepted [B, N] so far."""
+        G = self.grid
+        r, c = n // G, n % G
+        self.first = r != self.row
+        start = self.row_start.gather(1, r[:, None, None].expand(-1, 1, 2))[:, 0]   # row r-1's record
+        self.state = torch.where(self.first[:, None], start, self.state)
+        self.row = r
+        d, w = self.state.unbind(1)
+        if self.adjacency == "2d":
+            cs = torch.nn.functional.pad(accepted.long().cumsum(1), (1, 0))
+            lo = ((r - 1) * G + c).clamp(min=0)
+            hi = ((r - 1) * G + torch.minimum(c + d, torch.full_like(c, G))).clamp(min=0)
+            above = (cs.gather(1, hi[:, None]) - cs.gather(1, lo[:, None]))[:, 0] / (hi - lo).clamp(min=1)
+            d2, w2 = bisect(d, w, above, self.beta, self.bounds)
+            d, w = torch.where(r > 0, d2, d), torch.where(r > 0, w2, w)
         return d, w
 
-    def update(self, b: int, d: int, w: int, accepted_drafts: int) -> None:
-        self.state[b] = bisect(d, w, accepted_drafts / max(d, 1), self.beta, self.bounds)
-        if self.first_in_row[b]:
-            self.row_start[b][self.row[b]] = self.state[b]
-            self.first_in_row[b] = False
+    def update(self, d, w, accepted_drafts, active) -> None:
+        d2, w2 = bisect(d, w, accepted_drafts / d.clamp(min=1), self.beta, self.bounds)
+        new = torch.stack([d2, w2], 1)
+        self.state = torch.where(active[:, None], new, self.state)
+        record = active & self.first                                       # the first tree of its row
+        at = (self.row + 1)[:, None, None].expand(-1, 1, 2)
+        self.row_start.scatter_(1, at, torch.where(record[:, None], new, self.row_start.gather(1, at)[:, 0])[:, None])
+        self.first = self.first & ~active

@@ -45,6 +45,8 @@ class DrafterArgs:
 
 
 class Drafter(nn.Module):
+    kind, Args = "drafter", DrafterArgs
+
     def __init__(self, a: DrafterArgs):
         super().__init__()
         self.args = a

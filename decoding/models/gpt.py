@@ -221,6 +221,8 @@ def rope_complex(table: torch.Tensor) -> torch.Tensor:
 
 
 class GPT(nn.Module):
+    kind, Args = "gpt", GPTArgs
+
     def __init__(self, a: GPTArgs):
         super().__init__()
         self.args = a

@@ -36,6 +36,8 @@ def build_vocab(texts) -> list[str]:
 
 
 class TextEncoder(nn.Module):
+    kind, Args = "text", TextArgs
+
     def __init__(self, a: TextArgs):
         super().__init__()
         if len(a.vocab) < 2 or a.vocab[:2] != [PAD, UNK]:

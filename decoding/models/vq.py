@@ -182,6 +182,8 @@ class VectorQuantizer(nn.Module):
 
 
 class VQModel(nn.Module):
+    kind, Args = "vq", VQArgs
+
     def __init__(self, a: VQArgs):
         super().__init__()
         self.args = a

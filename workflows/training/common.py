@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from decoding.bundle import pick_dtype
-from decoding.shapes import render, sample_scenes
+from decoding.shapes.world import render, sample_scenes
 
 log = logging.getLogger("arspec.train")
 

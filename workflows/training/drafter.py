@@ -13,13 +13,14 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from decoding.bundle import load_shapes_bundle
 from decoding.checkpoint import save_module
-from decoding.engines.vanilla import Vanilla
+from decoding.engines.vanilla import Vanilla, VanillaConfig
 from decoding.models.drafter import Drafter, DrafterArgs
 from decoding.models.gpt import causal_mask
+from decoding.registry import load_bundle
 from decoding.sampling import SamplingParams, cfg_combine
-from decoding.shapes import sample_scenes
+from decoding.shapes.family import ShapesConfig
+from decoding.shapes.world import sample_scenes
 from workflows.training.common import run_steps
 
 log = logging.getLogger("arspec.train")
@@ -29,7 +30,7 @@ log = logging.getLogger("arspec.train")
 def distillation_data(bundle, n: int, seed: int, cfg_scale: float, batch: int) -> dict:
     """Target generations and, per stream, the target's input embeddings and features.
     Rows 0..n-1 are the cond streams, rows n..2n-1 the uncond streams of the same images."""
-    gpt, engine = bundle.gpt, Vanilla(bundle, SamplingParams(cfg_scale=cfg_scale))
+    gpt, engine = bundle.gpt, Vanilla(bundle, VanillaConfig(sampling=SamplingParams(cfg_scale=cfg_scale)))
     captions = [s.caption for s in sample_scenes(n, seed)]
     streams = {name: {"tokens": [], "emb": [], "feat": [], "mask": []} for name in ("cond", "uncond")}
     for i in range(0, n, batch):
@@ -74,7 +75,7 @@ def agreement(drafter, gpt, d: dict, L: int, cfg_scale: float, k: int) -> dict:
 
 def train_drafter(cfg, out_dir) -> dict:
     torch.manual_seed(cfg.seed)
-    bundle = load_shapes_bundle(out_dir, with_drafter=False, dtype="float32")
+    bundle = load_bundle(ShapesConfig(weights_dir=str(out_dir), device="cpu", dtype="float32"))
     gpt = bundle.gpt.requires_grad_(False)
     L = gpt.args.cls_token_num
     train = distillation_data(bundle, cfg.train_images, cfg.seed, cfg.cfg_scale, cfg.gen_batch)
@@ -95,5 +96,5 @@ def train_drafter(cfg, out_dir) -> dict:
     drafter.eval()
     metrics = agreement(drafter, gpt, held_out, L, cfg.cfg_scale, cfg.top_k_report)
     log.info(f"[drafter] held-out agreement with the target {metrics}")
-    save_module(drafter, out_dir / "drafter.safetensors", "drafter", drafter.args.to_dict(), metrics=metrics)
+    save_module(drafter, out_dir / "drafter.safetensors", metrics=metrics)
     return {**stats, **metrics}

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from decoding.checkpoint import save_module
 from decoding.models.gpt import GPT, GPTArgs
 from decoding.models.text import TextArgs, TextEncoder, build_vocab
-from decoding.shapes import ATTRIBUTES, Scene
+from decoding.shapes.world import ATTRIBUTES, Scene
 from workflows.training.common import render_pool, run_steps, to_float
 from workflows.training.stages import load_stage
 
@@ -81,8 +81,8 @@ def train_gpt(cfg, out_dir) -> dict:
               "eval_uncond_nats_per_token": loss_on(ev_tokens, ev_ids, ev_mask, ~no_drop).item()}
     ev["eval_caption_choice"] = caption_choice(gpt, text, ev_scenes[:96], ev_tokens[:96])
     log.info(f"[gpt] held-out {ev}")
-    save_module(text, out_dir / "text.safetensors", "text", text_args.to_dict())
-    save_module(gpt, out_dir / "gpt.safetensors", "gpt", args.to_dict(), metrics=ev)
+    save_module(text, out_dir / "text.safetensors")
+    save_module(gpt, out_dir / "gpt.safetensors", metrics=ev)
     return {**stats, **ev}
 
 
@@ -108,8 +108,8 @@ def caption_choice(gpt, text, scenes: list[Scene], tokens: torch.Tensor, attrs=(
 
 
 if __name__ == "__main__":
-    from decoding.bundle import SHAPES_DIR
-    d = Path(sys.argv[1]) if len(sys.argv) > 1 else SHAPES_DIR
+    from decoding.shapes.family import WEIGHTS
+    d = Path(sys.argv[1]) if len(sys.argv) > 1 else WEIGHTS
     scenes, images = render_pool(96, 12345)
     vq, gpt, text = (load_stage(d, k) for k in ("vq", "gpt", "text"))
     print(json.dumps(caption_choice(gpt, text, scenes, tokenize_pool(vq, images))))

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from decoding.checkpoint import save_module
-from decoding.scorer import Scorer, ScorerArgs, adherence
+from decoding.shapes.scorer import Scorer, ScorerArgs, adherence
 from workflows.training.common import render_pool, run_steps, to_float
 from workflows.training.stages import load_stage
 
@@ -59,5 +59,5 @@ def train_scorer(cfg, out_dir) -> dict:
                "vq_reconstruction": accuracy(scorer, reconstruct(vq, ev_clean), ev_scenes)}
     log.info(f"[scorer] held-out accuracy {metrics}")
     scorer.eval()
-    save_module(scorer, out_dir / "scorer.safetensors", "scorer", scorer.args.to_dict(), metrics=metrics)
+    save_module(scorer, out_dir / "scorer.safetensors", metrics=metrics)
     return {**stats, **metrics}

@@ -3,7 +3,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from decoding.bundle import load_module
+from decoding.checkpoint import load_module
+from decoding.models.drafter import Drafter
+from decoding.models.gpt import GPT
+from decoding.models.text import TextEncoder
+from decoding.models.vq import VQModel
+from decoding.shapes.scorer import Scorer
+
+MODELS = {m.kind: m for m in (VQModel, GPT, TextEncoder, Drafter, Scorer)}
 
 
 def load_stage(out_dir: Path, name: str):
@@ -11,4 +18,4 @@ def load_stage(out_dir: Path, name: str):
     if not path.exists():
         raise FileNotFoundError(f"{path} is missing: run the `{name}` stage first "
                                 f"(python -m workflows.train stages=[{name}])")
-    return load_module(path, name)
+    return load_module(path, MODELS[name])

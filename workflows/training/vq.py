@@ -67,7 +67,7 @@ def train_vq(cfg, out_dir) -> dict:
     stats = run_steps("vq", vq.parameters(), step, cfg.steps, cfg.lr, log_every=cfg.log_every)
     metrics = evaluate(vq, held_out)
     log.info(f"[vq] held-out PSNR {metrics['psnr_db']:.2f} dB, {metrics['codes_used']}/{args.codebook_size} codes used")
-    save_module(vq, out_dir / "vq.safetensors", "vq", args.to_dict(), metrics=metrics)
+    save_module(vq, out_dir / "vq.safetensors", metrics=metrics)
     return {**stats, **metrics}
 
 
@@ -98,5 +98,5 @@ def finetune_decoder(cfg, out_dir) -> dict:
                       log_every=cfg.log_every)
     metrics = evaluate(vq, held_out)
     log.info(f"[vq_decoder] held-out PSNR {before['psnr_db']:.2f} -> {metrics['psnr_db']:.2f} dB")
-    save_module(vq, out_dir / "vq.safetensors", "vq", vq.args.to_dict(), metrics=metrics)
+    save_module(vq, out_dir / "vq.safetensors", metrics=metrics)
     return {**stats, "psnr_before_db": before["psnr_db"], **metrics}

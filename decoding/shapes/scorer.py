@@ -8,7 +8,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from decoding.shapes import ATTRIBUTES, Scene, parse_caption
+from decoding.shapes.world import ATTRIBUTES, Scene, parse_caption
 
 
 @dataclass
@@ -21,6 +21,8 @@ class ScorerArgs:
 
 
 class Scorer(nn.Module):
+    kind, Args = "scorer", ScorerArgs
+
     def __init__(self, a: ScorerArgs):
         super().__init__()
         self.args = a

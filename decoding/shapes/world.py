@@ -154,7 +154,7 @@ def builtin_prompts(n: int = 96, seed: int = 0) -> list[dict]:
     out = []
     for i in range(n):
         scene = Scene.sample(rng, texture=TEXTURES[i % 2])
-        out.append({"prompt_id": f"shapes-{i:04d}", "prompt": scene.caption})
+        out.append({"prompt_id": f"shapes-{i:04d}", "prompt": scene.caption, "split": scene.split})
     return out
 
 

@@ -1,0 +1,59 @@
+"""Model families by name: `load_bundle(model_cfg)` is the one way a model is loaded (actor, bench,
+analyze and training all call it).
+
+A family is a config dataclass (its settings and their defaults, the job's Hydra `model` schema), a
+loader that turns it into a `ModelBundle`, and the family's sampling defaults (guidance scale, top-k:
+LlamaGen's reference values differ by task). Families live in their own modules and register here by
+name, so the core imports none of them (docs/design.md, "Layers").
+"""
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+from decoding.bundle import ModelBundle
+from decoding.sampling import SamplingParams
+
+
+@dataclass
+class ModelConfig:
+    """What every family's config has."""
+    name: str = "shapes"
+    device: str = "auto"      # auto = cuda when this process sees a GPU, else cpu
+    dtype: str = "auto"       # auto = bf16 on CUDA or on CPUs with AMX / AVX512-BF16, else fp32; float32 | bfloat16
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    config: type                                          # a ModelConfig subclass
+    load: Callable[[ModelConfig, torch.device], ModelBundle]
+    sampling: SamplingParams                              # every field set
+    scorer: Optional[Callable[[ModelConfig], object]] = None   # prompt adherence, where the family has one
+
+
+_MODULES = {"shapes": "decoding.shapes.family"}
+
+
+def families() -> dict[str, Family]:
+    return {name: importlib.import_module(mod).FAMILY for name, mod in _MODULES.items()}
+
+
+def family(name: str) -> Family:
+    if name not in _MODULES:
+        raise ValueError(f"model.name={name!r} is not a model family: choose one of {sorted(_MODULES)}")
+    return importlib.import_module(_MODULES[name]).FAMILY
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def load_bundle(cfg: ModelConfig) -> ModelBundle:
+    """The bundle `cfg` names, on its device, with its family's sampling defaults."""
+    return family(cfg.name).load(cfg, resolve_device(cfg.device))
