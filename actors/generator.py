@@ -1,10 +1,11 @@
 """The generator actor: loads the model bundle and the engine once, then turns batches of prompts
-into committed Parquet parts. Plain Python (pool.py wraps it with ray.remote), so it also runs in
+into committed Parquet parts, decoding them with continuous batching across parts. Plain Python (pool.py wraps it with ray.remote), so it also runs in
 process for benchmarks and debugging."""
 from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -16,6 +17,7 @@ import torch
 
 from actors.output import ERROR_SCHEMA, IMAGE_SCHEMA, png_bytes, token_table, write_part
 from decoding.engines import build_engine
+from decoding.engines.base import Outcome, Request, RequestQueue
 from decoding.registry import load_bundle
 
 log = logging.getLogger("arspec.actor")
@@ -40,13 +42,37 @@ class PartResult:
     ended: Optional[float] = None
 
 
+@dataclass
+class _Part:
+    """A part waiting in the actor: its prompts' outcomes as the engine thread hands them over."""
+    items: list[dict]
+    outcomes: dict = field(default_factory=dict)          # index -> Outcome
+    done: threading.Event = field(default_factory=threading.Event)
+
+    def add(self, i: int, outcome: Outcome) -> None:
+        self.outcomes[i] = outcome
+        if len(self.outcomes) == len(self.items):
+            self.done.set()
+
+
 class Generator:
+    """One engine and its model, kept loaded. `run(part, items)` may be called from several threads at
+    once (pool.py gives the actor that many in flight): every call puts its prompts on one queue, and a
+    single engine thread decodes that queue in `cluster.batch_size` rows with continuous batching
+    (docs/design.md, "Engines"), so a row freed by one part's image takes the next part's prompt at
+    once. Each call returns when all its prompts are done and its part is committed."""
+
     def __init__(self, cfg, out_dir: str):
         c = cfg.cluster
         torch.set_num_threads(c.torch_threads or max(1, int(c.num_cpus_per_actor)))
         self.cfg, self.out_dir = cfg, Path(out_dir)
         self.bundle = load_bundle(cfg.model)
         self.engine = build_engine(self.bundle, cfg.engine)
+        self.slots = c.batch_size
+        self._lock = threading.Lock()
+        self._parts: dict[str, _Part] = {}
+        self._queue: RequestQueue | None = None
+        self._thread: threading.Thread | None = None
 
     def pid(self) -> int:
         return os.getpid()
@@ -56,25 +82,33 @@ class Generator:
         import ray
         return ray.get_runtime_context().get_node_id() if ray.is_initialized() else "local"
 
-    def generate(self, items: list[dict]):
-        """items: [{prompt_id, prompt, seed, ...}] -> engine results, raising if any prompt fails."""
-        cond = self.bundle.conditions([it["prompt"] for it in items])
-        return self.engine.generate(cond, [it["seed"] for it in items])
-
     def run(self, part: str, items: list[dict]) -> PartResult:
-        """Generate one batch and commit it as part `part`. A failing prompt becomes an error row."""
+        """Generate one batch of prompts and commit it as part `part`. A failing prompt becomes an error row."""
         t0, started = time.perf_counter(), time.time()
-        done, failed = [], []
+        job = _Part(items)
+        requests = []
         try:
-            done = list(zip(items, self.generate(items)))
-        except Exception:  # isolate the failing prompt(s): one by one
-            for it in items:
-                try:
-                    done.append((it, self.generate([it])[0]))
-                except Exception as e:
-                    failed.append((it, f"{type(e).__name__}: {e}"))
-                    log.warning(f"prompt {it['prompt_id']!r} failed: {traceback.format_exc(limit=3)}")
-        gen_s = time.perf_counter() - t0
+            conds = self.bundle.conditions([it["prompt"] for it in items]).split()
+        except Exception:                                # e.g. a prompt the text encoder cannot read: find it
+            conds = [self._condition(it["prompt"]) for it in items]
+        for i, (it, cond) in enumerate(zip(items, conds)):
+            if isinstance(cond, str):
+                job.add(i, Outcome((part, i), error=cond))
+            else:
+                requests.append(Request(cond, it["seed"], (part, i)))
+        if requests:
+            with self._lock:
+                self._parts[part] = job
+                self._engine_queue().put(requests)
+        job.done.wait()
+        with self._lock:
+            self._parts.pop(part, None)
+        done = [(it, job.outcomes[i].result) for i, it in enumerate(items) if job.outcomes[i].error is None]
+        failed = [(it, job.outcomes[i].error) for i, it in enumerate(items) if job.outcomes[i].error is not None]
+        for it, msg in failed:
+            log.warning(f"prompt {it['prompt_id']!r} failed: {msg}")
+        gen_s = sum(r.wall_s for _, r in done)           # engine time attributed to this part's images
+        w0 = time.perf_counter()
         errors = pa.Table.from_pylist([{"prompt_id": it["prompt_id"], "prompt": it["prompt"], "seed": it["seed"],
                                         "engine": self.engine.name, "error": msg, "part": part}
                                        for it, msg in failed], schema=ERROR_SCHEMA)
@@ -82,9 +116,42 @@ class Generator:
                    token_table([it["prompt_id"] for it, _ in done], [r.records for _, r in done], self.engine.name),
                    errors)
         return PartResult(part, [it["prompt_id"] for it in items], len(done), len(failed), self.engine.acceptance,
-                          gen_s, time.perf_counter() - t0 - gen_s, [r.mean_accept_len for _, r in done],
+                          gen_s, time.perf_counter() - w0, [r.mean_accept_len for _, r in done],
                           [r.wall_s for _, r in done], [m for _, m in failed], self.node(), os.getpid(), started,
                           time.time())
+
+    def _condition(self, prompt: str):
+        try:
+            return self.bundle.conditions([prompt])
+        except Exception as e:
+            return f"{type(e).__name__}: {e}"
+
+    def _engine_queue(self) -> RequestQueue:
+        """The queue the engine thread reads (called under the lock); a new thread if the last one died."""
+        if self._thread is None or not self._thread.is_alive():
+            self._queue = RequestQueue()
+            self._thread = threading.Thread(target=self._decode, args=(self._queue,), daemon=True,
+                                            name="arspec-engine")
+            self._thread.start()
+        return self._queue
+
+    def _decode(self, queue: RequestQueue) -> None:
+        try:
+            for o in self.engine.stream(queue, self.slots):
+                part, i = o.key
+                with self._lock:
+                    job = self._parts.get(part)
+                if job is not None:
+                    job.add(i, o)
+        except BaseException as e:                        # the engine itself broke: fail what waits on it
+            reason = f"{type(e).__name__}: {e}"
+            log.error(f"engine thread failed: {traceback.format_exc(limit=5)}")
+            with self._lock:
+                queue.close()
+                for job in self._parts.values():
+                    for i in range(len(job.items)):
+                        if i not in job.outcomes:
+                            job.add(i, Outcome(None, error=reason))
 
     def _images(self, done, part: str) -> pa.Table:
         e, b = self.engine, self.bundle
@@ -93,6 +160,6 @@ class Generator:
             "model": b.name, "image": {"bytes": png_bytes(r.image), "path": f"{it['prompt_id']}.png"},
             "width": r.image.shape[1], "height": r.image.shape[0], "num_tokens": len(r.tokens),
             "target_forwards": r.target_forwards, "draft_forwards": r.draft_forwards,
-            "mean_accept_len": r.mean_accept_len, "wall_s": r.wall_s, "batch_size": len(done),
+            "mean_accept_len": r.mean_accept_len, "wall_s": r.wall_s, "batch_size": self.slots,
             "acceptance": e.acceptance, "split": it.get("split"), "unknown_words": r.unknown_words, "part": part}
             for it, r in done], schema=IMAGE_SCHEMA)

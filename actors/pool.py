@@ -2,9 +2,10 @@
 
 Ray Core actors rather than Ray Data `map_batches`: the job owns its resume (committed parts, see
 output.py) because Ray Data's checkpoint filter hung on small CPU counts and its Parquet writer is
-not atomic (docs/design.md, "Output contract"), and a batch must be retried as a unit, under the same part name, so that a
-retry replaces rather than duplicates. Each actor loads the model once and keeps two batches in
-flight. A killed actor is restarted by Ray and its in-flight batches retried (max_restarts /
+not atomic (docs/design.md, "Output contract"), and a batch must be retried as a unit, under the same
+part name, so that a retry replaces rather than duplicates. Each actor loads the model once and keeps
+two batches in flight, decoded together by continuous batching (generator.py). A killed actor is
+restarted by Ray and its in-flight batches retried (max_restarts /
 max_task_retries); a batch that keeps killing its actor is written as error rows after
 `max_actor_restarts + 1` attempts, and the job goes on.
 """
@@ -68,7 +69,8 @@ def run_batches(cfg, out_dir: Path, batches: list[list[dict]], progress: Progres
     c = cfg.cluster
     actor_cls = ray.remote(Generator).options(
         num_cpus=c.num_cpus_per_actor, num_gpus=c.num_gpus_per_actor,
-        max_restarts=c.max_actor_restarts, max_task_retries=c.max_actor_restarts)
+        max_restarts=c.max_actor_restarts, max_task_retries=c.max_actor_restarts,
+        max_concurrency=IN_FLIGHT_PER_ACTOR + 1)          # its parts share the engine's rows (generator.py)
     n = max(1, min(c.num_actors, len(batches)))
     actors = [actor_cls.remote(cfg, str(out_dir)) for _ in range(n)]
     queue, attempts, inflight, results = deque(enumerate(batches)), {}, {}, []

@@ -6,5 +6,6 @@ use of its draws): the job records it in out_dir/job.json and refuses to complet
 by another version, whose images would not match. tests/test_sampling.py pins the tokens it gives.
   1  numpy PCG64 stream per prompt, host-side inverse CDF
   2  counter-based hash streams on the device (decoding/sampling.py), device-side sampling and trials
+  3  tree engines commit the target's own draws (verify.py): their tokens are vanilla's for the same seed
 """
-BYTES_VERSION = 2
+BYTES_VERSION = 3

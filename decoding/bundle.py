@@ -37,10 +37,25 @@ def cast(module: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
 
 @dataclass
 class Conditions:
-    """Per-prompt conditioning for a t2i GPT: caption features, their mask, unknown-word counts."""
-    features: torch.Tensor      # [B, L, caption_dim]
-    mask: torch.Tensor          # [B, L] bool
+    """Per-prompt conditioning: caption features [B, L, caption_dim] and their mask [B, L] (t2i), or
+    class labels [B] and no mask (c2i); unknown-word counts per prompt."""
+    features: torch.Tensor
+    mask: torch.Tensor | None
     unknown_words: list
+
+    def __len__(self) -> int:
+        return len(self.features)
+
+    def split(self) -> list["Conditions"]:
+        """One Conditions per prompt."""
+        return [Conditions(self.features[b:b + 1], None if self.mask is None else self.mask[b:b + 1],
+                           list(self.unknown_words[b:b + 1]) or [0]) for b in range(len(self))]
+
+    @staticmethod
+    def cat(parts: list["Conditions"]) -> "Conditions":
+        return Conditions(torch.cat([c.features for c in parts]),
+                          None if parts[0].mask is None else torch.cat([c.mask for c in parts]),
+                          [w for c in parts for w in (c.unknown_words or [0] * len(c))])
 
 
 class ModelBundle:

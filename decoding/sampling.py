@@ -114,9 +114,16 @@ class Streams:
     """
 
     def __init__(self, seeds, device):
-        s = torch.as_tensor([int(x) for x in seeds], dtype=torch.int64, device=device)
-        self.key = _hash(_hash(s & _M32) ^ (s >> 32))       # [B]
         self.device = device
+        self.key = self._keys(seeds)                      # [B]
+
+    def _keys(self, seeds) -> torch.Tensor:
+        s = torch.as_tensor([int(x) for x in seeds], dtype=torch.int64, device=self.device)
+        return _hash(_hash(s & _M32) ^ (s >> 32))
+
+    def reseed(self, rows: torch.Tensor, seeds) -> None:
+        """Give rows [k] the streams of new prompts (a slot of a continuous batch takes a new prompt)."""
+        self.key[rows] = self._keys(seeds)
 
     def __len__(self) -> int:
         return len(self.key)

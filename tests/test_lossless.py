@@ -9,8 +9,9 @@ are checked against it with a chi-square test. Two worlds:
     (a skipped compaction changes which tokens survive top-k); the temperature and top-p each move about
     0.09 of the mass (TVD against T = 1 or top-p = 1), so verification that ignores either samples a
     visibly different distribution.
-The same test rejects deliberately wrong rules (so it has the power to fail); tests/test_oracle.py
-checks every verify-time distribution deterministically.
+The same test rejects deliberately wrong rules (so it has the power to fail). Deterministic checks:
+the tree engines commit vanilla's tokens for the same seeds (below), and tests/test_oracle.py checks
+every verify-time distribution against a cache-free forward.
 """
 from __future__ import annotations
 
@@ -33,13 +34,17 @@ WORLDS = {
                  sampling=dict(cfg_scale=2.0, temperature=1.3, top_k=2, top_p=0.8)),
 }
 N_SAMPLES = 6000
+# budget=fixed: every step verifies a full tree (the auto budget would mostly choose plain steps on a
+# model this small); tests/test_budget.py covers the budget and steps that alternate.
 ENGINES = {
     "vanilla": {},
-    "eagle2": dict(total_tokens=6, depth=3, width=2),
-    "adt_tree": dict(total_tokens=6, depth=2, width=2, d_min=1, d_max=3, w_min=1, w_max=3),
-    "adt_tree-2d": dict(total_tokens=6, depth=2, width=2, d_min=1, d_max=3, w_min=1, w_max=3, adjacency="2d"),
-    # LANTERN with no relaxation budget is exact: its rank-by-rank masses must reduce to the trials
-    "eagle2-lantern0": dict(total_tokens=6, depth=3, width=2, acceptance="lantern", lantern_k=1, lantern_delta=0.0),
+    "eagle2": dict(total_tokens=6, depth=3, width=2, budget="fixed"),
+    "adt_tree": dict(total_tokens=6, depth=2, width=2, d_min=1, d_max=3, w_min=1, w_max=3, budget="fixed"),
+    "adt_tree-2d": dict(total_tokens=6, depth=2, width=2, d_min=1, d_max=3, w_min=1, w_max=3, adjacency="2d",
+                        budget="fixed"),
+    # LANTERN with no relaxation budget is exact: its claimed sets must reduce to the drafts themselves
+    "eagle2-lantern0": dict(total_tokens=6, depth=3, width=2, acceptance="lantern", lantern_k=1, lantern_delta=0.0,
+                            budget="fixed"),
 }
 
 
@@ -86,30 +91,27 @@ def test_engine_samples_the_vanilla_distribution(world, variant):
     assert sample_pvalue(bundle, exact, sampling, variant) > 1e-3
 
 
-def unrenormalised_verify(tree, probs, u, u_bonus, lantern=None):
-    """A broken rule: each child accepted with its unrenormalised p, the bonus drawn from the full p."""
+def one_draw_per_step(tree, probs, u, lantern=None):
+    """A broken rule: every node's draw reuses the root's uniform (one uniform per step, not per token)."""
+    return tree_module.__dict__["_true_verify"](tree, probs, u[:, :1].expand_as(u), lantern)
+
+
+def first_child_on_any_match(tree, probs, u, lantern=None):
+    """A broken rule: when the target's draw is any of a node's children, the first child is accepted."""
     B, T, V = probs.shape
-    p_node = probs.flatten(1).gather(1, tree.parent.clamp(min=0) * V + tree.tok)
-    before = tree.earlier_siblings
-    acc = tree.node & (u < p_node)
-    first = acc & (torch.bmm(before.float(), acc.float()[..., None])[..., 0] == 0)
-    on_path = tree.node & ~(tree.ancestors & ~first[:, None, :]).any(-1)
+    x = sample(probs, u)
+    parent = tree.parent.clamp(min=0)
+    hit = tree.node & (x.gather(1, parent) == tree.tok)
+    any_child = torch.zeros(B, T + 1).scatter_add_(1, torch.where(hit, parent, T), torch.ones(B, T))[:, :T] > 0
+    won = tree.node & any_child.gather(1, parent) & (tree.earlier_siblings.sum(-1) == 0)
+    on_path = tree.node & (torch.bmm(tree.ancestors.float(), won.float()[..., None])[..., 0] == tree.depth)
     last = (on_path * torch.arange(T)).amax(1)
-    p_last = probs[torch.arange(B), last]
-    m = on_path.sum(1)
-    bonus = sample(p_last, u_bonus.gather(1, m[:, None])[:, 0])
-    return Verdict(on_path, m, last, bonus, p_node, p_last.gather(1, bonus[:, None])[:, 0])
+    bonus = x.gather(1, last[:, None])[:, 0]
+    p_node = probs.flatten(1).gather(1, parent * V + tree.tok)
+    return Verdict(on_path, on_path.sum(1), last, bonus, p_node, probs.flatten(1).gather(1, (last * V + bonus)[:, None])[:, 0])
 
 
-def bonus_from_the_unmodified_target(tree, probs, u, u_bonus, lantern=None):
-    """A broken rule: right trials, but the bonus drawn from p without removing the rejected children."""
-    v = tree_module.__dict__["_true_verify"](tree, probs, u, u_bonus, lantern)
-    p_last = probs[torch.arange(len(v.last)), v.last]
-    v.bonus = sample(p_last, u_bonus.gather(1, v.accepted[:, None])[:, 0])
-    return v
-
-
-@pytest.mark.parametrize("broken", [unrenormalised_verify, bonus_from_the_unmodified_target])
+@pytest.mark.parametrize("broken", [one_draw_per_step, first_child_on_any_match])
 def test_the_test_rejects_a_wrong_acceptance_rule(monkeypatch, broken):
     w = WORLDS["small"]
     bundle = tiny_bundle(**w["bundle"])
@@ -117,6 +119,20 @@ def test_the_test_rejects_a_wrong_acceptance_rule(monkeypatch, broken):
     monkeypatch.setitem(tree_module.__dict__, "_true_verify", tree_module.verify)
     monkeypatch.setattr(tree_module, "verify", broken)
     assert sample_pvalue(bundle, exact, w["sampling"], "eagle2") < 1e-6
+
+
+@pytest.mark.parametrize("variant", [v for v in ENGINES if v != "vanilla"])
+def test_tree_engines_commit_vanillas_tokens(variant):
+    """The deterministic check: exact acceptance commits the target's own draws with vanilla's uniforms,
+    so every image is vanilla's, token for token (fp32; tiny model, 8 x 8 tokens, wide trees)."""
+    bundle = tiny_bundle(vocab=8, grid=4, seed=1, std=0.3)
+    sampling = dict(cfg_scale=2.0, temperature=0.8, top_k=5, top_p=0.9)
+    settings = dict(ENGINES[variant], total_tokens=10)
+    ref = build_engine(bundle, engine_config("vanilla", sampling=sampling)).generate(labels(48), range(48))
+    out = build_engine(bundle, engine_config(variant.partition("-")[0], sampling=sampling, **settings)).generate(
+        labels(48), range(48))
+    assert [r.tokens.tolist() for r in out] == [r.tokens.tolist() for r in ref]
+    assert sum(r.target_forwards for r in out) < 0.8 * sum(r.target_forwards for r in ref)   # drafts were accepted
 
 
 @pytest.mark.parametrize("variant", ["vanilla", "eagle2", "adt_tree"])

@@ -22,10 +22,12 @@ from tests.conftest import labels, tiny_bundle
 
 SAMPLING = dict(cfg_scale=2.0, temperature=0.8, top_k=5, top_p=0.9)
 ENGINES = {
-    "eagle2": dict(total_tokens=12, depth=4, width=3),
-    "adt_tree": dict(total_tokens=10, depth=2, width=2, d_min=1, d_max=5, w_min=1, w_max=4),
-    "adt_tree-2d": dict(total_tokens=10, depth=2, width=2, d_min=1, d_max=5, w_min=1, w_max=4, adjacency="2d"),
-    "eagle2-lantern": dict(total_tokens=12, depth=4, width=3, acceptance="lantern", lantern_k=3, lantern_delta=0.3),
+    "eagle2": dict(total_tokens=12, depth=4, width=3, budget="fixed"),
+    "adt_tree": dict(total_tokens=10, depth=2, width=2, d_min=1, d_max=5, w_min=1, w_max=4, budget="fixed"),
+    "adt_tree-2d": dict(total_tokens=10, depth=2, width=2, d_min=1, d_max=5, w_min=1, w_max=4, adjacency="2d",
+                        budget="fixed"),
+    "eagle2-lantern": dict(total_tokens=12, depth=4, width=3, acceptance="lantern", lantern_k=3, lantern_delta=0.3,
+                           budget="fixed"),
 }
 B = 6
 

@@ -83,7 +83,7 @@ def test_prompt_seed_is_stable():
 # The tokens a fixed tiny model gives for fixed seeds, per BYTES_VERSION. If this fails, the code now
 # samples differently: bump decoding.BYTES_VERSION (old out_dirs must not be completed with new images)
 # and record the new digest here.
-GOLDEN = {2: "0c5c577f32e0"}
+GOLDEN = {2: "0c5c577f32e0", 3: "6a2abefb1dcf"}
 
 
 def test_bytes_version_pins_the_sampled_tokens():
@@ -94,5 +94,5 @@ def test_bytes_version_pins_the_sampled_tokens():
                      ("adt_tree", dict(total_tokens=8, depth=2, width=2, d_min=1, d_max=4, w_min=1, w_max=3))):
         for r in build_engine(b, engine_config(name, sampling=sampling, **kw)).generate(labels(4), [1, 2, 3, 4]):
             h.update(r.tokens.astype(np.int64).tobytes())
-    assert h.hexdigest() == GOLDEN[BYTES_VERSION], (
+    assert h.hexdigest() == GOLDEN.get(BYTES_VERSION), (
         f"tokens changed ({h.hexdigest()}): bump decoding.BYTES_VERSION and record the new digest in GOLDEN")

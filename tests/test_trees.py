@@ -9,7 +9,7 @@ from scipy.stats import chisquare
 
 from decoding.engines import build_engine, engine_config
 from decoding.engines.policy import AdjacencyAdaptive, bisect
-from decoding.engines.verify import Draws, Lantern, Tree, codebook_neighbours, verify
+from decoding.engines.verify import Lantern, Tree, codebook_neighbours, draws, node_uniforms, verify
 from decoding.sampling import Streams
 from tests.conftest import labels
 
@@ -26,8 +26,8 @@ def make_tree(nodes: list[tuple[int, int]], root_token: int, B: int) -> Tree:
 
 
 def outcome_distribution(nodes, probs: np.ndarray) -> dict:
-    """Exact law of the committed block (accepted drafts + bonus) under sequential trials: each token is
-    drawn from the distribution of the node the walk is at; the walk moves on when it is a child."""
+    """Exact law of the committed block (accepted drafts + bonus) when each token is drawn from the
+    distribution of the node the walk is at, and the walk moves on when it is a child."""
     children = {}
     for j, (p, t) in enumerate(nodes, start=1):
         children.setdefault(p, {})[t] = j
@@ -51,15 +51,15 @@ TREE = [(0, 0), (0, 1), (0, 2), (1, 3), (1, 4), (2, 0), (2, 5), (4, 1)]
 
 
 @pytest.mark.parametrize("seed", [0, 1])
-def test_trials_sample_the_target_exactly(seed):
-    """Sequential sibling trials, with the uniforms the engine draws (Draws: keyed by token position and
-    sibling rank, shared across branches), commit exactly what the target would sample token by token."""
+def test_verification_samples_the_target_exactly(seed):
+    """Matching the target's draws against the tree, with the uniforms the engine uses (keyed by token
+    position, shared across branches), commits exactly what the target samples token by token."""
     rng = np.random.default_rng(seed)
     V, B, n = 6, 40_000, 5
     probs = rng.dirichlet(np.full(V, 0.8), size=len(TREE) + 1).astype(np.float32)
     tree = make_tree(TREE, root_token=2, B=B)
-    u, u_bonus = Draws(Streams(range(seed * B, (seed + 1) * B), "cpu"), 16, 3).step(torch.full((B,), n), tree)
-    v = verify(tree, torch.from_numpy(probs).expand(B, -1, -1), u, u_bonus)
+    u = node_uniforms(draws(Streams(range(seed * B, (seed + 1) * B), "cpu"), 16), torch.full((B,), n), tree)
+    v = verify(tree, torch.from_numpy(probs).expand(B, -1, -1), u)
     tok = tree.tok[0].tolist()
     counts = {}
     for on, bonus in zip(v.on_path.tolist(), v.bonus.tolist()):
@@ -81,7 +81,7 @@ def first_token_tvd(probs: np.ndarray, drafts: list[int], lantern, n: int = 100_
     tree = make_tree([(0, t) for t in drafts], root_token=0, B=n)
     g = torch.Generator().manual_seed(seed)
     v = verify(tree, torch.from_numpy(probs).float().expand(n, -1, -1), torch.rand(n, len(drafts) + 1, generator=g),
-               torch.rand(n, len(drafts) + 1, generator=g), lantern)
+               lantern)
     first = torch.where(v.accepted > 0, tree.tok[:, 1:].gather(1, (v.on_path[:, 1:].float().argmax(1))[:, None])[:, 0],
                         v.bonus)
     out = np.bincount(first.numpy(), minlength=probs.shape[1]) / n
@@ -162,8 +162,9 @@ class Policy:
     def plan(self, n, accepted):
         return tuple(int(x) for x in self.p.plan(torch.tensor([n]), torch.from_numpy(accepted)[None]))
 
-    def update(self, d, w, accepted_drafts):
-        self.p.update(torch.tensor([d]), torch.tensor([w]), torch.tensor([accepted_drafts]), torch.tensor([True]))
+    def update(self, d, w, accepted_drafts, drafted=None):
+        self.p.update(torch.tensor([d]), torch.tensor([w]), torch.tensor([accepted_drafts]), torch.tensor([True]),
+                      None if drafted is None else torch.tensor([drafted]))
 
 
 def test_horizontal_adjacency_initialisation():
@@ -176,6 +177,19 @@ def test_horizontal_adjacency_initialisation():
     pol.update(7, 2, accepted_drafts=0)          # first tree of row 1 -> (4, 5) recorded for row 1
     assert pol.plan(6, acc) == (4, 5)
     assert pol.plan(8, acc) == (4, 5)            # row 2 starts from row 1's record
+
+
+def test_alpha_counts_against_the_depth_actually_drafted():
+    """The budget cut a depth-7 tree to 3 levels and all 3 were accepted: an easy region (α = 1), not a
+    hard one (3 / 7 < β)."""
+    pol, acc = Policy(), np.zeros(16, bool)
+    pol.plan(1, acc)
+    pol.update(7, 2, accepted_drafts=3, drafted=3)
+    assert pol.plan(2, acc) == (9, 1)                 # easy: ceil((7+10)/2), floor((2+1)/2)
+    pol2 = Policy()
+    pol2.plan(1, acc)
+    pol2.update(7, 2, accepted_drafts=3)              # counted against the requested 7: hard
+    assert pol2.plan(2, acc) == (4, 5)
 
 
 def test_2d_adjacency_reads_the_row_above():
@@ -202,7 +216,7 @@ def test_bad_bounds_fail_at_construction():
 
 def test_adt_engine_logs_adapting_tree_shapes(tiny):
     engine = build_engine(tiny, engine_config("adt_tree", sampling={"cfg_scale": 2.0}, total_tokens=6, depth=2, width=2,
-                                              d_min=1, d_max=3, w_min=1, w_max=3))
+                                              d_min=1, d_max=3, w_min=1, w_max=3, budget="fixed"))
     r = engine.generate(labels(30), list(range(30)))
     depths = np.concatenate([x.records["tree_depth"][1:] for x in r])
     widths = np.concatenate([x.records["tree_width"][1:] for x in r])
@@ -212,7 +226,7 @@ def test_adt_engine_logs_adapting_tree_shapes(tiny):
 
 # -- tree construction --------------------------------------------------------------------------------
 def test_tree_selection_keeps_ancestors_and_budget(tiny):
-    engine = build_engine(tiny, engine_config("eagle2", total_tokens=5, depth=3, width=3))
+    engine = build_engine(tiny, engine_config("eagle2", total_tokens=5, depth=3, width=3, budget="fixed"))
     tok = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3]])
     par = torch.tensor([[-1, -1, -1, 0, 0, 0, 1, 1, 1, 2, 2, 2]])
     depth = torch.tensor([[1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 2]])

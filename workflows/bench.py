@@ -1,4 +1,5 @@
-"""Side-by-side engine benchmark: `python -m workflows.bench [prompts=N] [batch_size=B] [variants=...]`.
+"""Side-by-side engine benchmark: `python -m workflows.bench [prompts=N] [batch_size=B | batch_sizes=[1,8]]
+[engines=[...]]`.
 
 Every variant is a list of `generate` overrides (so it uses exactly the job's engine configs) and runs
 on the same prompts and seeds, in one process, interleaved batch by batch (the order rotates), so
@@ -100,12 +101,24 @@ def run_bench(cfg: DictConfig) -> dict:
             scores = score_prompts(scorer, np.stack([r.image for r in res]), [p["prompt"] for p in batch]) \
                 if scorer else [None] * len(res)
             for p, r, s in zip(batch, res, scores):
-                rows[n].append({"split": p["split"], "tau": r.mean_accept_len,
+                per_step = 1.0 / np.maximum(r.records["accept_len"], 1)           # each step's tokens sum to 1
+                budget = r.records.get("budget")
+                rows[n].append({"split": p["split"], "tau": r.mean_accept_len, "steps": float(per_step.sum()),
+                                "budget": float((budget * per_step).sum()) if budget is not None else 0.0,
+                                "plain": float(per_step[budget == 0].sum()) if budget is not None else 0.0,
                                 "target_forwards": r.target_forwards, "draft_forwards": r.draft_forwards,
                                 "wall_s": r.wall_s, "phase_s": r.phase_s, "adherence": s, "batch": bi})
         log.info(f"[bench] batch {bi + 1}/{len(batches)} " +
                  " ".join(f"{n}={np.mean([r['tau'] for r in rows[n]]):.2f}τ" for n in names))
+    costs = {n: e.costs.summary() for n, e in engines.items() if getattr(e, "costs", None) is not None}
+    ceiling = {n: round(e.budget.ceiling(cfg.batch_size * (2 if e.sampling.use_cfg else 1)), 3)
+               for n, e in engines.items()
+               if getattr(e, "costs", None) is not None}
     return {"config": OmegaConf.to_container(cfg, resolve=True), "forward_costs": forward_costs(bundle),
+            "cost_model": next(iter(costs.values()), None),
+            # the best speedup over vanilla any tree could give here, from the cost model and the
+            # acceptance each engine learnt (budget.py: Budget.ceiling)
+            "ceiling": ceiling,
             "torch_threads": torch.get_num_threads(), "dtype": str(bundle.dtype),
             "results": summarize(rows, wall, baseline=cfg.baseline)}
 
@@ -141,6 +154,10 @@ def summarize(rows: dict, wall: dict, baseline: str) -> dict:
                 "draft_forwards_per_image": round(float(np.mean([r["draft_forwards"] for r in rs])), 1),
                 "ms_per_step": round(1000 * sum(r["wall_s"] for r in rs) / steps, 2),
                 "phase_ms_per_step": phases,  # where a step's time goes (vanilla: the forward)
+                "images_per_s": round(len(rs) / sum(r["wall_s"] for r in rs), 3),
+                # the draft nodes a step verified (budget.py), and how many steps were plain
+                "budget_per_step": round(sum(r["budget"] for r in rs) / max(sum(r["steps"] for r in rs), 1), 2),
+                "plain_steps": round(sum(r["plain"] for r in rs) / max(sum(r["steps"] for r in rs), 1), 3),
                 "adherence": adh and adh["all"], "adherence_by_attribute": adh}
     return out
 
@@ -180,14 +197,37 @@ def plot(results: dict, path: Path) -> None:
 @hydra.main(version_base="1.3", config_path="../conf", config_name="bench")
 @one_line_errors
 def main(cfg: DictConfig) -> None:
-    report = run_bench(cfg)
+    sizes = list(cfg.batch_sizes or [cfg.batch_size])
     out = Path(cfg.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2))
-    plot(report["results"], out.with_suffix(".png"))
-    print(json.dumps(report["forward_costs"]))
-    print(table(report["results"]))
-    log.info(f"[bench] wrote {out} and {out.with_suffix('.png')}")
+    reports = {}
+    for B in sizes:
+        cfg.batch_size = B
+        reports[B] = report = run_bench(cfg)
+        path = out if len(sizes) == 1 else out.with_name(f"{out.stem}_b{B}{out.suffix}")
+        path.write_text(json.dumps(report, indent=2))
+        plot(report["results"], path.with_suffix(".png"))
+        print(f"\n## batch_size={B}")
+        print("forward ms:", json.dumps(report["forward_costs"]))
+        if report["cost_model"]:
+            print("cost model:", report["cost_model"])
+            print("ceiling (best tree speedup the costs allow, from learnt acceptance):", report["ceiling"])
+        print(table(report["results"]))
+        log.info(f"[bench] wrote {path} and {path.with_suffix('.png')}")
+    if len(sizes) > 1:
+        print("\n## by batch size (all prompts)\n" + by_batch_size({B: r["results"]["all"] for B, r in reports.items()}))
+
+
+def by_batch_size(results: dict) -> str:
+    """{B: {engine: summary}} -> one table: throughput, τ, step phases and budget per batch size."""
+    lines = ["| batch | engine | images/s | × vanilla | τ | ms/step (phases) | budget/step | plain steps |",
+             "|---|---|---|---|---|---|---|---|"]
+    for B, engines in results.items():
+        for n, r in engines.items():
+            phases = " ".join(f"{k} {v}" for k, v in r["phase_ms_per_step"].items())
+            lines.append(f"| {B} | {n} | {r['images_per_s']} | {r['speedup']} | {r['tau']} | {r['ms_per_step']} "
+                         f"({phases}) | {r['budget_per_step']} | {r['plain_steps']} |")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

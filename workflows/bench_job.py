@@ -33,15 +33,18 @@ def config(overrides: list[str]):
 def direct(c) -> dict:
     """The engine alone, in process, with the actor's thread count and batches."""
     from actors.generator import Generator
+    from decoding.engines.base import Request
     from decoding.sampling import prompt_seed
     from workflows.prompts import read_prompts
     items = [{**it, "seed": prompt_seed(c.seed, it["prompt_id"])} for it in read_prompts(c.data)]
     t0 = time.perf_counter()
     gen = Generator(c, c.out_dir)
     load_s = time.perf_counter() - t0
-    bs, t0 = c.cluster.batch_size, time.perf_counter()
-    for i in range(0, len(items), bs):
-        gen.generate(items[i:i + bs])
+    t0 = time.perf_counter()
+    requests = [Request(gen.bundle.conditions([it["prompt"]]), it["seed"], i) for i, it in enumerate(items)]
+    for o in gen.engine.stream(requests, c.cluster.batch_size):   # the actor's continuous batching
+        if o.error:
+            raise RuntimeError(o.error)
     return {"images": len(items), "seconds": round(time.perf_counter() - t0, 2), "load_seconds": round(load_s, 2)}
 
 

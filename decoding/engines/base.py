@@ -6,9 +6,12 @@ for the uncond half by `Engine.rows`. Logical positions: condition tokens 0..L-1
 """
 from __future__ import annotations
 
+import itertools
+import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import Any, ClassVar, Iterable, Iterator
 
 import numpy as np
 import torch
@@ -38,8 +41,8 @@ class ImageResult:
     records: dict                 # column -> [N] array in generation order (log.TOKEN_COLUMNS)
     target_forwards: int
     draft_forwards: int
-    wall_s: float                 # the batch's engine wall time / batch size
-    phase_s: dict = field(default_factory=dict)  # the batch's seconds per step phase / batch size
+    wall_s: float                 # engine seconds attributed to the image (each step's time / rows it advanced)
+    phase_s: dict = field(default_factory=dict)  # the same, per step phase
     unknown_words: int = 0
 
     @property
@@ -79,8 +82,68 @@ class CachedModel:
             cache.move(src, dst)
 
 
+@dataclass
+class Request:
+    """One prompt for `Engine.stream`: its conditions (a batch of one), its seed, the caller's key."""
+    cond: Conditions
+    seed: int
+    key: Any = None
+
+
+@dataclass
+class Outcome:
+    key: Any
+    result: ImageResult | None = None
+    error: str | None = None      # why the prompt failed (the engine goes on with the others)
+
+
+class RequestQueue:
+    """Requests that arrive while an engine runs (an actor's parts): producers `put` them and finally
+    `close`; `Engine.stream` `take`s up to n at a time, blocking only when it has nothing else to do.
+    Thread-safe. A plain iterable of requests works as a closed queue (`requests_of`)."""
+
+    def __init__(self):
+        self._items: deque = deque()
+        self._closed = False
+        self._cv = threading.Condition()
+
+    def put(self, requests: Iterable[Request]) -> None:
+        with self._cv:
+            self._items.extend(requests)
+            self._cv.notify_all()
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+
+    def take(self, n: int, wait: bool) -> list[Request]:
+        """Up to n requests; with `wait`, block until there is one or the queue is closed ([] = done)."""
+        with self._cv:
+            while wait and not self._items and not self._closed:
+                self._cv.wait()
+            return [self._items.popleft() for _ in range(min(n, len(self._items)))]
+
+
+class _Iterated:
+    def __init__(self, requests: Iterable[Request]):
+        self._it = iter(requests)
+
+    def take(self, n: int, wait: bool) -> list[Request]:
+        return list(itertools.islice(self._it, n))
+
+
+def requests_of(requests) -> RequestQueue | _Iterated:
+    return requests if hasattr(requests, "take") else _Iterated(requests)
+
+
 class Engine:
-    """`generate(conditions, seeds) -> [ImageResult]`, one per prompt (docs/design.md, "Engines")."""
+    """An engine decodes prompts in batches (docs/design.md, "Engines"). `generate(conditions, seeds)` runs
+    one batch; `stream(requests, slots)` runs a queue of prompts `slots` at a time, yielding each outcome.
+
+    This base decodes fixed batches: a subclass implements `_generate(cond, streams) -> TokenLog` and
+    `stream` cuts the queue into batches of `slots`. `SlotEngine` below refills rows as they finish.
+    """
     name: ClassVar[str] = "base"
     Config: ClassVar[type] = EngineConfig
     uses_drafter: ClassVar[bool] = False
@@ -109,20 +172,26 @@ class Engine:
     def rows(self, x: torch.Tensor) -> torch.Tensor:
         return torch.cat([x, x]) if self.sampling.use_cfg else x
 
+    def cache_rows(self, rows: torch.Tensor, slots: int) -> torch.Tensor:
+        """Prompt rows [k] -> their cache rows ([cond; uncond] with CFG)."""
+        return torch.cat([rows, rows + slots]) if self.sampling.use_cfg else rows
+
     def target_probs(self, features: torch.Tensor) -> torch.Tensor:
         """Target features [R, ..., dim] -> filtered distribution [B, ..., V] (CFG, temperature, top-k/p)."""
         return filtered_probs(cfg_combine(self.gpt.logits(features), self.sampling), self.sampling)
 
-    def prefill(self, target: CachedModel, cond: Conditions):
-        """Run the condition prefix. Returns (features [R, L, dim], condition embeddings [R, L, dim])."""
-        B = len(cond.features)
+    def prefill(self, target: CachedModel, cond: Conditions, rows: torch.Tensor, slots: int):
+        """Run the condition prefix of new prompts in prompt rows `rows`. Returns (features [r, L, dim],
+        condition embeddings [r, L, dim]) for their cache rows r = cache_rows(rows)."""
+        B = len(cond)
         drop = torch.arange(len(self.rows(cond.features)), device=self.device) >= B
-        emb = self.gpt.embed_condition(self.rows(cond.features), drop)
-        mask = None if cond.mask is None else self.rows(cond.mask)
-        R = emb.shape[0]
-        pos = torch.arange(self.L, device=self.device).expand(R, self.L)
-        feats = self.gpt.forward_embeds(emb, pos, self._prefix_mask(target, mask, R), pos)
-        target.valid[:, : self.L] = True if mask is None else mask
+        emb = self.gpt.embed_condition(self.rows(cond.features.to(self.device)), drop)
+        mask = None if cond.mask is None else self.rows(cond.mask.to(self.device))
+        r = self.cache_rows(rows, slots)
+        pos = torch.arange(self.L, device=self.device).expand(len(r), self.L)
+        feats = self.gpt.forward_embeds(emb, pos, self._prefix_mask(target, mask, len(r)), pos, rows=r)
+        target.valid[r] = False
+        target.valid[r, : self.L] = True if mask is None else mask
         return feats, emb
 
     def _prefix_mask(self, target: CachedModel, mask, R: int) -> torch.Tensor:
@@ -133,18 +202,150 @@ class Engine:
 
     # -- the contract ---------------------------------------------------------------------------------
     def generate(self, cond: Conditions, seeds) -> list[ImageResult]:
+        """One batch, every prompt in its own row; raises if the batch fails."""
         t0 = time.perf_counter()
         with torch.inference_mode():
             log = self._generate(cond, Streams(seeds, self.device))
             tokens = log.tokens.cpu()
             images = self.bundle.decode(tokens)
-        records = log.records()
         wall = (time.perf_counter() - t0) / len(seeds)
-        unknown = cond.unknown_words or [0] * len(seeds)
         phases = {k: v / len(seeds) for k, v in log.phase_s.items()}
         tf, df = log.target_forwards.tolist(), log.draft_forwards.tolist()
-        return [ImageResult(tokens[b].numpy(), images[b], records[b], tf[b], df[b], wall, phases, int(unknown[b]))
-                for b in range(len(seeds))]
+        unknown = cond.unknown_words or [0] * len(seeds)
+        return [ImageResult(tokens[b].numpy(), images[b], log.records(b), tf[b], df[b], wall, phases,
+                            int(unknown[b])) for b in range(len(seeds))]
+
+    def stream(self, requests, slots: int) -> Iterator[Outcome]:
+        """Decode requests (an iterable or a RequestQueue) in batches of up to `slots`; a failing batch is
+        retried prompt by prompt, so that only the prompts that fail alone fail. Yields one Outcome per
+        request."""
+        source = requests_of(requests)
+        while batch := source.take(slots, wait=True):
+            try:
+                results = self.generate(Conditions.cat([r.cond for r in batch]), [r.seed for r in batch])
+                yield from (Outcome(r.key, res) for r, res in zip(batch, results))
+            except Exception:
+                for r in batch:
+                    try:
+                        yield Outcome(r.key, self.generate(r.cond, [r.seed])[0])
+                    except Exception as e:
+                        yield Outcome(r.key, error=f"{type(e).__name__}: {e}")
 
     def _generate(self, cond: Conditions, streams: Streams) -> TokenLog:
+        raise NotImplementedError
+
+
+class SlotEngine(Engine):
+    """Continuous batching: `stream(requests, slots)` keeps `slots` rows busy, and a row whose image is
+    done takes the next request at once, so the batch never waits for its slowest row.
+
+    Subclasses implement `_start(slots) -> state` (caches, token log, streams for that many rows),
+    `_admit(state, rows, cond, seeds)` (prefill new prompts into rows, commit their first token) and
+    `_step(state)` (one decoding step of every unfinished row; rows are told apart by state.log.n).
+    """
+
+    def generate(self, cond: Conditions, seeds) -> list[ImageResult]:
+        """One batch: every prompt in its own row; raises if a prompt fails."""
+        outcomes = {o.key: o for o in self.stream(
+            [Request(c, s, b) for b, (c, s) in enumerate(zip(cond.split(), seeds))], slots=len(seeds))}
+        failed = [o.error for o in outcomes.values() if o.error]
+        if failed:
+            raise RuntimeError(failed[0])
+        return [outcomes[b].result for b in range(len(seeds))]
+
+    def stream(self, requests, slots: int) -> Iterator[Outcome]:
+        """Decode requests (an iterable or a RequestQueue) in `slots` rows, refilling each row as soon as
+        its image is done. Yields one Outcome per request, in the order they finish. Each image's wall_s
+        is its share of the engine's time: every step's time split among the rows it advanced."""
+        source = requests_of(requests)
+        owner: list[Request | None] = [None] * slots
+        wall = [0.0] * slots
+        phases: list[dict] = [dict() for _ in range(slots)]
+        state = None
+        while True:
+            if state is None:
+                state = self._start(slots)
+            free = [b for b in range(slots) if owner[b] is None]
+            idle = len(free) == slots
+            new = list(zip(free, source.take(len(free), wait=idle)))
+            if idle and not new:
+                return
+            if new:
+                t0 = time.perf_counter()
+                failed = self._admit_all(state, new)
+                for b, r in new:
+                    if r.key in failed:                       # this prompt fails; its row stays free
+                        yield Outcome(r.key, error=failed[r.key])
+                    else:
+                        owner[b], wall[b], phases[b] = r, (time.perf_counter() - t0) / len(new), {}
+            busy = [b for b in range(slots) if owner[b] is not None]
+            if not busy:
+                continue                                     # every new prompt failed: take more
+            log = state.log
+            done = (log.n >= self.N).tolist()
+            if not any(done[b] for b in busy):
+                stepping = [b for b in busy if not done[b]]
+                before, t0 = dict(log.phase_s), time.perf_counter()
+                try:
+                    with torch.inference_mode():
+                        self._step(state)
+                except Exception as e:                       # the step failed: every prompt in it fails
+                    for b in busy:
+                        yield Outcome(owner[b].key, error=f"{type(e).__name__}: {e}")
+                        owner[b] = None
+                    state = None
+                    continue
+                share = (time.perf_counter() - t0) / len(stepping)
+                for b in stepping:
+                    wall[b] += share
+                    for k, v in log.phase_s.items():
+                        phases[b][k] = phases[b].get(k, 0.0) + (v - before.get(k, 0.0)) / len(stepping)
+                done = (log.n >= self.N).tolist()
+            for b in busy:
+                if done[b]:
+                    yield Outcome(owner[b].key, self._result(state, b, owner[b], wall[b], phases[b]))
+                    owner[b] = None
+
+    def _admit_all(self, state, new: list) -> dict:
+        """Admit [(row, request)] together; if that fails, one by one, so that only the prompts that fail
+        alone fail. Returns {key: reason} of the failed ones."""
+        try:
+            self._admit_group(state, new)
+            return {}
+        except Exception as e:
+            if len(new) == 1:
+                return {new[0][1].key: f"{type(e).__name__}: {e}"}
+        failed = {}
+        for x in new:
+            try:
+                self._admit_group(state, [x])
+            except Exception as e:
+                failed[x[1].key] = f"{type(e).__name__}: {e}"
+        return failed
+
+    def _admit_group(self, state, group: list) -> None:
+        rows = torch.tensor([b for b, _ in group], device=self.device)
+        try:
+            with torch.inference_mode():
+                self._admit(state, rows, Conditions.cat([r.cond for _, r in group]), [r.seed for _, r in group])
+        except Exception:
+            state.log.n[rows] = self.N                            # the rows are free again
+            raise
+
+    def _result(self, state, b: int, req: Request, wall: float, phases: dict) -> ImageResult:
+        log = state.log
+        t0 = time.perf_counter()
+        tokens = log.tokens[b].cpu().clone()                         # the row is reused by the next prompt
+        image = self.bundle.decode(tokens[None])[0]
+        wall += time.perf_counter() - t0
+        return ImageResult(tokens.numpy(), image, log.records(b), int(log.target_forwards[b]),
+                           int(log.draft_forwards[b]), wall, phases, int(req.cond.unknown_words[0]))
+
+    def _start(self, slots: int):
+        raise NotImplementedError
+
+    def _admit(self, state, rows: torch.Tensor, cond: Conditions, seeds: list) -> None:
+        raise NotImplementedError
+
+    def _step(self, state) -> None:
         raise NotImplementedError

@@ -32,6 +32,7 @@ STORED = (
     Column("q_draft", "float32", np.nan, "draft probability of an accepted draft token"),
     Column("tree_depth", "int32", 0, "depth of the draft tree of its step"),
     Column("tree_width", "int32", 0, "per-level width of the draft tree of its step"),
+    Column("budget", "int32", 0, "draft nodes per row its step verified (0: a plain step)"),
 )
 # What `records` emits: the position in generation order and the cell as (row, col), then the stored
 # columns but `cell`. This is the tokens table (less prompt_id and engine, which the job adds).
@@ -56,10 +57,11 @@ class TokenLog:
         self.B, self.N, self.grid, self.device = B, N, grid, device
         self.slot = {}                                    # column -> (group, index in the group)
         groups = {"int": [c for c in STORED if c.dtype != "float32"], "float": [c for c in STORED if c.dtype == "float32"]}
-        self.groups = {}
+        self.groups, self.fills = {}, {}
         for g, cols in groups.items():
             dtype = torch.float32 if g == "float" else torch.long
-            self.groups[g] = torch.tensor([c.fill for c in cols], dtype=dtype, device=device)[None, :, None].repeat(B, 1, N + 1)
+            self.fills[g] = torch.tensor([c.fill for c in cols], dtype=dtype, device=device)[None, :, None]
+            self.groups[g] = self.fills[g].repeat(B, 1, N + 1)
             self.slot.update({c.name: (g, i) for i, c in enumerate(cols)})
         self.col("cell")[:, :N] = torch.arange(N, device=device)       # raster order unless committed
         self.n = torch.zeros(B, dtype=torch.long, device=device)          # committed tokens per row
@@ -67,6 +69,13 @@ class TokenLog:
         self.draft_forwards = torch.zeros(B, dtype=torch.long, device=device)
         self.phase_s: dict[str, float] = {}
         self._at: dict[tuple, torch.Tensor] = {}
+
+    def reset(self, rows: torch.Tensor) -> None:
+        """Empty rows [k] for new prompts."""
+        for g, store in self.groups.items():
+            store[rows] = self.fills[g][0]
+        self.col("cell")[rows, : self.N] = torch.arange(self.N, device=self.device)
+        self.n[rows], self.target_forwards[rows], self.draft_forwards[rows] = 0, 0, 0
 
     def col(self, name: str) -> torch.Tensor:
         """[B, N + 1] view of one column (the last position is scratch)."""
@@ -109,10 +118,9 @@ class TokenLog:
         yield
         self.phase_s[name] = self.phase_s.get(name, 0.0) + time.perf_counter() - t0
 
-    def records(self) -> list[dict]:
-        """One {column: numpy [N]} per row, the columns of TOKEN_COLUMNS."""
-        host = {c.name: self.col(c.name)[:, : self.N].cpu().numpy().astype(c.dtype) for c in STORED}
+    def records(self, b: int) -> dict:
+        """Row b's {column: numpy [N]}, the columns of TOKEN_COLUMNS."""
+        host = {c.name: self.col(c.name)[b, : self.N].cpu().numpy().astype(c.dtype) for c in STORED}
         cell = host.pop("cell")
-        index = np.arange(self.N, dtype=np.int32)
-        return [{"token_index": index, "row": cell[b] // self.grid, "col": cell[b] % self.grid,
-                 **{k: v[b] for k, v in host.items()}} for b in range(self.B)]
+        return {"token_index": np.arange(self.N, dtype=np.int32), "row": cell // self.grid, "col": cell % self.grid,
+                **host}

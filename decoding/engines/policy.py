@@ -6,7 +6,8 @@ as [B] tensors on the device.
   * horizontal adjacency initialisation: a tree starts from the adapted state of the tree before it in
     the same grid row; the first tree of a row starts from the state recorded at the start of the
     row above (the adapted state of that row's first tree), or the defaults on the first row;
-  * bisectional adaptation: with α = accepted drafts / d, α ≥ β moves to
+  * bisectional adaptation: with α = accepted drafts / the depth actually drafted (the node budget may
+    cut the tree below d), α ≥ β moves to
     (ceil((d + d_max) / 2), floor((w + w_min) / 2)), deeper and narrower; α < β moves to
     (floor((d + d_min) / 2), ceil((w + w_max) / 2)), shallower and wider;
   * `adjacency="2d"` (our extension): the initial state also takes one bisection step from the
@@ -25,7 +26,10 @@ class FixedShape:
     def plan(self, n: torch.Tensor, accepted: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.d, self.w
 
-    def update(self, d, w, accepted_drafts, active) -> None:
+    def update(self, d, w, accepted_drafts, active, drafted=None) -> None:
+        pass
+
+    def reset(self, rows) -> None:
         pass
 
 
@@ -65,8 +69,18 @@ class AdjacencyAdaptive:
             d, w = torch.where(r > 0, d2, d), torch.where(r > 0, w2, w)
         return d, w
 
-    def update(self, d, w, accepted_drafts, active) -> None:
-        d2, w2 = bisect(d, w, accepted_drafts / d.clamp(min=1), self.beta, self.bounds)
+    def reset(self, rows) -> None:
+        """Rows [k] start new images."""
+        self.state[rows] = self.default
+        self.row[rows] = -1
+        self.row_start[rows] = self.default
+        self.first[rows] = False
+
+    def update(self, d, w, accepted_drafts, active, drafted=None) -> None:
+        """After verifying trees planned as (d, w): α = accepted drafts / the depth actually drafted
+        (`drafted`, which the node budget may have cut below d; default d)."""
+        base = d if drafted is None else drafted
+        d2, w2 = bisect(d, w, accepted_drafts / base.clamp(min=1), self.beta, self.bounds)
         new = torch.stack([d2, w2], 1)
         self.state = torch.where(active[:, None], new, self.state)
         record = active & self.first                                       # the first tree of its row

@@ -1,37 +1,52 @@
 """Speculative decoding with dynamic draft trees: `eagle2` (fixed shape) and `adt_tree` (adaptive).
 
-One step, per prompt with n committed tokens (the last one, the root, not yet in the target's cache;
-its logical position P = L + n - 1):
-  1. draft: the EAGLE drafter expands the tree level by level — frontier nodes are fed in one forward,
-     each proposes its top-w children, cumulative log-prob scores pick the next frontier (global top-w);
-  2. rerank all candidates to the node budget by score (ancestors always outrank descendants);
-  3. verify: one target forward over [root, nodes] with a tree mask, then the trials of verify.py;
-  4. commit: the accepted path's K/V move to contiguous slots, and the drafter catches up on the
-     target's features of the root and accepted nodes (with the bonus token), which yields the first
-     level of the next tree.
-Rows of a batch keep their own n, so every tensor here is per row; padded nodes are masked out. The
-step has no loop over rows and reads nothing back from the device but the loop bounds.
+The engine decodes a continuous batch (base.Engine.stream): each slot holds one prompt with n
+committed tokens; the last one, the root, is not yet in the target's cache (its logical position
+P = L + n - 1). Each step is one of two kinds, chosen by the budget (budget.py) for the whole batch:
+
+plain (K = 0): one target forward over the roots, the target draws the next token. No drafter.
+speculative (K > 0):
+  1. catch up: the drafter consumes the (target feature, next token) pairs committed since it last ran,
+     in one forward; its last output gives the first level of the tree;
+  2. draft: the EAGLE drafter expands the tree level by level (each frontier node proposes its top-w
+     children; cumulative log-prob scores pick the next frontier, global top-w); ADT-Tree's (d, w) per
+     row, capped by the budget's plan;
+  3. rerank all candidates to K nodes per row by score (ancestors always outrank descendants), K chosen
+     by the budget from the rows' actual candidates;
+  4. verify: one target forward over [root, nodes] with a tree mask; the target's own draws are matched
+     against the tree (verify.py);
+  5. commit: the accepted path's K/V move to contiguous slots; the path's features wait for the next
+     catch-up.
+Rows keep their own n, so every tensor here is per row; padded nodes and finished rows are masked out.
+A step has no loop over rows and reads back from the device only loop bounds and the budget's inputs.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
+from types import SimpleNamespace
 
+import numpy as np
 import torch
 
-from decoding.engines.base import CachedModel, Engine, EngineConfig, visible
+from decoding.engines.base import CachedModel, EngineConfig, SlotEngine, visible
+from decoding.engines.budget import Budget
+from decoding.engines.cost import cost_table
 from decoding.engines.log import TokenLog
 from decoding.engines.policy import AdjacencyAdaptive, FixedShape
-from decoding.engines.verify import Draws, Lantern, Tree, codebook_neighbours, verify
-from decoding.sampling import sample
+from decoding.engines.verify import Lantern, Tree, codebook_neighbours, draws, node_uniforms, verify
+from decoding.sampling import Streams, sample
 
 NEG = float("-inf")
 
 
 @dataclass
 class TreeConfig(EngineConfig):
-    # Node budget per tree (one target forward verifies them all). 16 measured best on this project's
-    # 2-core CPU (README, "Measured on this machine"); EAGLE-2's reference on GPUs is 60.
+    # Most nodes a tree may have (one target forward verifies them all); EAGLE-2's reference is 60.
     total_tokens: int = 16
+    # auto: each step verifies the number of nodes (0 = a plain step) that maximises expected tokens per
+    # second for the batch, from the device's measured forward costs (budget.py); fixed: total_tokens.
+    budget: str = "auto"
     depth: int = 6                        # levels drafted (adt_tree: the initial depth)
     width: int = 4                        # per-level top-k (adt_tree: the initial width)
     acceptance: str = "exact"             # exact (lossless) | lantern (relaxed, TVD <= lantern_delta per token)
@@ -40,6 +55,8 @@ class TreeConfig(EngineConfig):
 
     def validate(self) -> None:
         super().validate()
+        if self.budget not in ("auto", "fixed"):
+            raise ValueError(f"engine.budget={self.budget!r}: use 'auto' (chosen per step) or 'fixed' (total_tokens)")
         if self.acceptance not in ("exact", "lantern"):
             raise ValueError(f"engine.acceptance={self.acceptance!r}: use 'exact' (lossless) or 'lantern' (relaxed)")
         if not 0 <= self.lantern_delta < 1:
@@ -75,7 +92,7 @@ class ADTTreeConfig(TreeConfig):
             raise ValueError(f"engine.adjacency={self.adjacency!r}: use 'horizontal' or '2d'")
 
 
-class TreeEngine(Engine):
+class TreeEngine(SlotEngine):
     uses_drafter = True
 
     def __init__(self, bundle, cfg: TreeConfig):
@@ -85,6 +102,8 @@ class TreeEngine(Engine):
         if cfg.acceptance == "lantern":
             self.lantern = Lantern(codebook_neighbours(bundle.vq.quantize.codebook().detach(), cfg.lantern_k)
                                    .to(self.device), cfg.lantern_delta)
+        self.costs = cost_table(bundle) if cfg.budget == "auto" else None
+        self.budget = Budget(self.costs, cfg.total_tokens, self.max_shape()[1])
 
     @property
     def acceptance(self) -> str:
@@ -97,63 +116,143 @@ class TreeEngine(Engine):
     def max_shape(self) -> tuple[int, int]:
         return self.cfg.depth, self.cfg.width
 
-    # -- one engine run ---------------------------------------------------------------------------------
-    def _generate(self, cond, streams):
-        B, L, N, dev = len(streams), self.L, self.N, self.device
-        R = 2 * B if self.sampling.use_cfg else B
+    # -- a continuous batch -----------------------------------------------------------------------------
+    def _start(self, slots: int):
+        R, L, N, dev = (2 * slots if self.sampling.use_cfg else slots), self.L, self.N, self.device
         d_max, w_max = self.max_shape()
-        budget = self.cfg.total_tokens
-        target = CachedModel(self.gpt, R, L + N + budget + 1, self.bundle.dtype)
-        draft = CachedModel(self.drafter, R, L + N + d_max * w_max + 1, self.bundle.dtype)
-        log, policy = TokenLog(B, N, self.G, dev), self.policy(B)
-        draws = Draws(streams, N, w_max)
+        log = TokenLog(slots, N, self.G, dev)
+        log.n[:] = N                                                       # empty slots are finished rows
+        streams = Streams([0] * slots, dev)
+        return SimpleNamespace(
+            slots=slots, R=R, log=log, streams=streams, u=draws(streams, N), policy=self.policy(slots), step=0,
+            target=CachedModel(self.gpt, R, L + N + self.cfg.total_tokens + 1, self.bundle.dtype),
+            draft=CachedModel(self.drafter, R, L + N + d_max * w_max + 1, self.bundle.dtype),
+            feats=torch.zeros(R, N + 1, self.gpt.args.dim, dtype=self.bundle.dtype, device=dev),  # per token
+            dfeat=torch.zeros(R, self.gpt.args.dim, dtype=self.bundle.dtype, device=dev),
+            dn=torch.zeros(slots, dtype=torch.long, device=dev))          # (feature, next token) pairs drafted on
 
-        feats, cond_emb = self.prefill(target, cond)
+    def _admit(self, st, rows, cond, seeds):
+        """Prefill new prompts, draw their first token, run the drafter over their condition prefix."""
+        L, log = self.L, st.log
+        log.reset(rows)
+        st.streams.reseed(rows, seeds)
+        st.u[rows] = draws(st.streams, self.N)[rows]
+        st.policy.reset(rows)
+        feats, cond_emb = self.prefill(st.target, cond, rows, st.slots)
         p0 = self.target_probs(feats[:, -1])
-        x0 = sample(p0, draws.target[:, 0])
-        log.commit(torch.ones(B, dtype=torch.long, device=dev), token_id=x0, accept_len=1,
-                   p_target=p0.gather(1, x0[:, None])[:, 0])
-        log.target_forwards += 1
-        dfeat = self._draft_prefix(draft, feats, cond_emb, target.valid[:, :L], log)
+        x0 = sample(p0, st.u[rows, 0])
+        new = torch.zeros(st.slots, dtype=torch.long, device=self.device).index_fill(0, rows, 1)
+        full = lambda v: torch.zeros(st.slots, dtype=v.dtype, device=self.device).index_copy(0, rows, v)  # noqa: E731
+        log.commit(new, token_id=full(x0), accept_len=1, p_target=full(p0.gather(1, x0[:, None])[:, 0]))
+        log.target_forwards += new
+        # drafter over the prefix: pairs (f_p, e_{p+1}) for p < L, e_L = emb(t_0); its last output drafts t_1
+        r = self.cache_rows(rows, st.slots)
+        nxt = torch.cat([cond_emb[:, 1:], self.gpt.embed_tokens(self.rows(x0))[:, None]], 1)
+        pos = torch.arange(1, L + 1, device=self.device).expand(len(r), L)
+        cond_valid = st.target.valid[r, :L]
+        out = self.drafter(nxt, feats, pos, self._prefix_mask(st.draft, cond_valid, len(r)), pos - 1, rows=r)
+        st.draft.valid[r] = False
+        st.draft.valid[r, :L] = cond_valid
+        st.dfeat[r] = out[:, -1]
+        st.dn[rows] = 0
+        log.draft_forwards += new
 
-        step = 0
-        while True:
-            active = log.n < N
-            if not active.any():
-                break
-            step += 1
-            n = log.n.clone()
-            P = L + n - 1
-            d, w = policy.plan(n, log.col("accepted")[:, :N])
-            d = torch.where(active, torch.minimum(d, N - n - 1), 0)   # never past the last token
-            with log.phase("draft"):
-                tree = self._draft(draft, dfeat, P, d, w, budget, log, active)
-            with log.phase("verify"):
-                probs, tfeats = self._verify_forward(target, tree, P)
-            with log.phase("accept"):
-                v = verify(tree, probs, *draws.step(n, tree), self.lantern)
-                path = self._record(log, tree, v, active, step, d, w)
-                policy.update(d, w, v.accepted, active)
-            with log.phase("commit"):  # KV compaction + drafter catch-up
-                dfeat = self._commit(target, draft, tfeats, path, v.accepted, P, log, active)
-        return log
+    def _step(self, st):
+        log, N = st.log, self.N
+        active = log.n < N
+        prompts = int(active.sum())
+        pending = int(((log.n - 1 - st.dn) * active).max())
+        plan = min(self.budget.plan(st.R, prompts, pending), N)
+        st.step += 1
+        t0 = time.perf_counter()
+        if plan == 0:
+            self._plain_step(st, active)
+            if self.costs is not None:
+                self.budget.observe("plain", 1000 * (time.perf_counter() - t0), self.costs.target(st.R, 1))
+        else:
+            self._spec_step(st, active, plan, t0)
+
+    def _plain_step(self, st, active):
+        """One target forward over the roots; the target draws the next token. The drafter rests: the
+        root's feature waits in st.feats for the next catch-up."""
+        log, L, N = st.log, self.L, self.N
+        with log.phase("forward"):
+            n = log.n.clamp(max=N)
+            pos = self.rows((L + n - 1)[:, None])
+            root = log.tokens.gather(1, (n - 1).clamp(0, N - 1)[:, None]).clamp(min=0)
+            f = self.gpt.forward_embeds(self.gpt.embed_tokens(self.rows(root)), pos,
+                                        visible(st.target.valid, pos[..., None]), pos)
+            st.target.commit(pos, self.rows(active)[:, None])
+            probs = self.target_probs(f[:, 0])
+        with log.phase("accept"):
+            x = sample(probs, st.u.gather(1, n.clamp(max=N - 1)[:, None])[:, 0])
+            count = active.long()
+            st.feats.scatter_(1, torch.where(self.rows(active), self.rows(n - 1), N)[:, None, None].expand(-1, 1, f.shape[-1]), f)
+            log.commit(count, token_id=x, p_target=probs.gather(1, x[:, None])[:, 0], step=st.step, accept_len=1)
+            log.target_forwards += count
+
+    def _spec_step(self, st, active, plan, t0):
+        log, N, costs = st.log, self.N, self.costs
+        n = log.n.clone()
+        P = self.L + n - 1
+        with log.phase("draft"):
+            pending = self._catch_up(st, active)
+            asked, w = st.policy.plan(n, log.col("accepted")[:, :N])
+            d = torch.where(active, torch.minimum(torch.minimum(asked, N - n - 1), torch.full_like(asked, plan)), 0)
+            cand = self._draft(st.draft, st.dfeat, P, d, w, log)
+            drafted_ms = 1000 * (time.perf_counter() - t0)
+            values = torch.where(active[:, None], cand["score"].topk(min(plan, cand["score"].shape[1]), -1).values.exp(), 0.0)
+            K = self.budget.choose(st.R, values, plan, drafted_ms)
+            tree = self._tree(cand, K, log)
+        with log.phase("verify"):
+            probs, tfeats = self._verify_forward(st.target, tree, P)
+        with log.phase("accept"):
+            v = verify(tree, probs, node_uniforms(st.u, n, tree), self.lantern)
+            path = self._record(log, tree, v, active, st.step, d, w, K)
+            drafted = tree.depth.amax(1)                                  # the depth the budget left: α's base
+            st.policy.update(asked, w, v.accepted, active & (drafted > 0), drafted)
+        with log.phase("commit"):
+            self._commit(st, tfeats, path, v.accepted, P, n, active)
+        if costs is not None:
+            by_rank, predicted = self._by_rank(tree, v, active)
+            self.budget.observe("spec", 1000 * (time.perf_counter() - t0),
+                                costs.drafter(st.R, max(pending, 1)) + max(int(d.max()) - 1, 0) * costs.drafter(st.R, int(w.max()))
+                                + costs.target(st.R, 1 + K), by_rank, predicted, float(v.accepted[active].sum()))
 
     # -- drafting ---------------------------------------------------------------------------------------
-    def _draft_prefix(self, draft, feats, cond_emb, cond_valid, log):
-        """Drafter pass over the condition prefix: pairs (f_p, e_{p+1}) for p < L, e_L = emb(t_0)."""
-        L, R = self.L, feats.shape[0]
-        nxt = torch.cat([cond_emb[:, 1:], self.gpt.embed_tokens(self.rows(log.tokens[:, 0]))[:, None]], 1)
-        pos = torch.arange(1, L + 1, device=self.device).expand(R, L)
-        out = self.drafter(nxt, feats, pos, self._prefix_mask(draft, cond_valid, R), pos - 1)
-        draft.valid[:, :L] = cond_valid
-        log.draft_forwards += 1
-        return out[:, -1]
-
     def draft_probs(self, features):
         return self.target_probs(features)  # same head, same CFG and filtering as the target
 
-    def _draft(self, draft, dfeat, P, d, w, budget, log, active) -> Tree:
-        """Build one tree per prompt, rooted at its last committed token."""
+    def _catch_up(self, st, active) -> int:
+        """Feed the drafter the (feature, next token) pairs committed since it last ran: pair i is (the
+        target's feature at token i, token i + 1), in drafter slot L + i. Its last output per row becomes
+        st.dfeat, the feature the tree's first level is drafted from. Returns the longest catch-up."""
+        log, L, N = st.log, self.L, self.N
+        todo = torch.where(active, log.n - 1 - st.dn, 0)                   # pairs per row
+        C = int(todo.max())
+        if C == 0:
+            return 0
+        lanes = torch.arange(C, device=self.device)
+        keep = lanes < todo[:, None]
+        i = (st.dn[:, None] + lanes).clamp(max=N - 1)                       # pair index = token index
+        slots = self.L + i
+        see = torch.where(lanes[None, None, :] <= lanes[None, :, None], slots[:, None, :], slots[:, :, None])
+        nxt = log.tokens.gather(1, (i + 1).clamp(max=N - 1)).clamp(min=0)
+        feats = st.feats.gather(1, self.rows(i)[..., None].expand(-1, -1, st.feats.shape[-1]))
+        pos = (slots + 1).clamp(max=self.L + N - 1)                        # lanes past a row's pairs: any position
+        out = self.drafter(self.gpt.embed_tokens(self.rows(nxt)), feats, self.rows(pos),
+                           visible(st.draft.valid, self.rows(see)), self.rows(slots))
+        st.draft.commit(self.rows(slots), self.rows(keep))
+        last = (todo - 1).clamp(min=0)
+        fresh = out.gather(1, self.rows(last)[:, None, None].expand(-1, 1, out.shape[-1]))[:, 0]
+        st.dfeat = torch.where(self.rows(todo > 0)[:, None], fresh, st.dfeat)
+        st.dn = st.dn + todo
+        log.draft_forwards += (todo > 0).long()
+        return C
+
+    def _draft(self, draft, dfeat, P, d, w, log) -> dict:
+        """Every row's candidate nodes: tok, par (candidate index of the parent, -1 = root), depth, score
+        (cumulative draft log-prob, -inf = none), q, each [B, C]."""
         B, dev = len(P), P.device
         q = self.draft_probs(dfeat[:, None])[:, 0]                      # [B, V]
         d_max, w_max = int(d.max()), min(max(int(w.max()), 1), q.shape[-1])  # no wider than the vocabulary
@@ -189,13 +288,20 @@ class TreeEngine(Engine):
             front_see = see.gather(1, par_lane[..., None].expand(-1, -1, see.shape[-1]))
             offset += w_max * w_max
         log.draft_forwards += (d - 1).clamp(min=0)                       # levels 2..d (inactive rows: d = 0)
-        nodes = self._select(torch.cat(toks, 1), torch.cat(pars, 1), torch.cat(depths, 1),
-                             torch.cat(scores, 1), torch.cat(qs, 1), budget)
-        root = log.tokens.gather(1, (log.n - 1).clamp(min=0)[:, None])
+        return {"tok": torch.cat(toks, 1), "par": torch.cat(pars, 1), "depth": torch.cat(depths, 1),
+                "score": torch.cat(scores, 1), "q": torch.cat(qs, 1)}
+
+    def _tree(self, cand: dict, K: int, log) -> Tree:
+        """The K best candidates of each row as a Tree rooted at its last committed token."""
+        root = log.tokens.gather(1, (log.n - 1).clamp(0, self.N - 1)[:, None]).clamp(min=0)  # empty slot: any id
         col = torch.zeros_like(root)
+        if K == 0:
+            return Tree(root, col - 1, col, torch.full_like(root, float("nan"), dtype=torch.float32))
+        nodes = self._select(cand["tok"], cand["par"], cand["depth"], cand["score"], cand["q"], K)
+        nan = torch.full_like(nodes["q"][:, :1], float("nan"))
         return Tree(tok=torch.cat([root, nodes["tok"]], 1), parent=torch.cat([col - 1, nodes["parent"]], 1),
-                    depth=torch.cat([col, nodes["depth"]], 1),
-                    q=torch.cat([torch.full_like(nodes["q"][:, :1], float("nan")), nodes["q"]], 1))
+                    depth=torch.cat([col, nodes["depth"]], 1), q=torch.cat([nan, nodes["q"]], 1),
+                    score=torch.cat([nan, nodes["score"]], 1))
 
     @staticmethod
     def _select(tok, par, depth, score, q, budget):
@@ -231,7 +337,7 @@ class TreeEngine(Engine):
                                     visible(target.valid, self.rows(see)), self.rows(slots))
         return self.target_probs(f), f
 
-    def _record(self, log: TokenLog, tree: Tree, v, active, step, d, w) -> torch.Tensor:
+    def _record(self, log: TokenLog, tree: Tree, v, active, step, d, w, K) -> torch.Tensor:
         """Write the accepted drafts and the bonus to the log, each at its token position. Returns the
         block indices of [root, path nodes in depth order] [B, T + 1] (past a row's path: 0)."""
         B, T = tree.tok.shape
@@ -243,38 +349,41 @@ class TreeEngine(Engine):
         log.write(torch.where(active[:, None], pos, N), token_id=torch.cat([tree.tok, v.bonus[:, None]], 1),
                   accepted=torch.cat([v.on_path, torch.zeros_like(v.on_path[:, :1])], 1),
                   p_target=torch.cat([v.p_node, v.p_bonus[:, None]], 1), q_draft=torch.cat([tree.q, nan], 1),
-                  step=step, accept_len=count, tree_depth=d, tree_width=w)
+                  step=step, accept_len=count, tree_depth=d, tree_width=w, budget=K)
         log.n += count
         log.target_forwards += active.long()
         idx = torch.arange(T, device=self.device)
         return torch.zeros(B, T + 1, dtype=torch.long, device=self.device).scatter_(
             1, torch.where(v.on_path, k + 1, T), idx.expand(B, T))
 
+    @staticmethod
+    def _by_rank(tree: Tree, v, active):
+        """What the budget learns from a step: the mean acceptance of each row's k-th best node by draft
+        score [K], and the Σ of the verified nodes' path probabilities (to calibrate them)."""
+        K = tree.tok.shape[1] - 1
+        if K == 0 or not bool(active.any()):
+            return None, 0.0
+        score = torch.where(tree.node & active[:, None], tree.score, float("-inf"))
+        order = score.argsort(1, descending=True)[:, :K]
+        hit = v.on_path.gather(1, order)[active].float().mean(0)
+        return hit.cpu().numpy(), float(score.exp().sum())
+
     # -- commit -----------------------------------------------------------------------------------------
-    def _commit(self, target, draft, tfeats, path, m, P, log, active):
-        """Compact the accepted path in the target cache; drafter catch-up on (f, next token) pairs."""
-        dev = self.device
+    def _commit(self, st, tfeats, path, m, P, n, active):
+        """Move the accepted path's K/V to contiguous slots; keep the features of root and path (pairs for
+        the drafter's next catch-up)."""
+        dev, N = self.device, self.N
         m_max = int(m.max())
         lanes = torch.arange(m_max + 1, device=dev)
         idx = path[:, : m_max + 1]                                        # block indices: root, path
         keep = (lanes <= m[:, None]) & active[:, None]
         src, dst = P[:, None] + idx, P[:, None] + lanes
         src = torch.where(keep, src, dst)
-        target.move(self.rows(src), self.rows(dst))
-        target.commit(self.rows(dst), self.rows(keep))
-        # drafter catch-up: features of root + accepted nodes, paired with the token that followed each
-        start = log.n - keep.sum(1)                                      # token index of the first "next"
-        nxt = log.tokens.gather(1, (start[:, None] + lanes).clamp(max=self.N - 1)).clamp(min=0)  # lanes past keep: any id
-        feats = tfeats.gather(1, self.rows(idx)[..., None].expand(-1, -1, tfeats.shape[-1]))
-        pos = (P[:, None] + 1 + lanes).clamp(max=self.L + self.N - 1)
-        see = dst[:, None, :].expand(-1, m_max + 1, -1)
-        see = torch.where(lanes[None, None, :] <= lanes[None, :, None], see, dst[:, :, None].expand_as(see))
-        out = self.drafter(self.gpt.embed_tokens(self.rows(nxt)), feats, self.rows(pos),
-                           visible(draft.valid, self.rows(see)), self.rows(dst))
-        draft.commit(self.rows(dst), self.rows(keep))
-        log.draft_forwards += (active & (log.n < self.N)).long()
-        last = (keep.sum(1) - 1).clamp(min=0)
-        return out.gather(1, self.rows(last)[:, None, None].expand(-1, 1, out.shape[-1]))[:, 0]
+        st.target.move(self.rows(src), self.rows(dst))
+        st.target.commit(self.rows(dst), self.rows(keep))
+        at = torch.where(keep, n[:, None] - 1 + lanes, N)                  # token index of each kept feature
+        f = tfeats.gather(1, self.rows(idx)[..., None].expand(-1, -1, tfeats.shape[-1]))
+        st.feats.scatter_(1, self.rows(at)[..., None].expand(-1, -1, f.shape[-1]), f)
 
 
 class Eagle2(TreeEngine):

@@ -3,12 +3,14 @@ speedup is measured against, and the distribution the lossless engines must repr
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
 
-from decoding.engines.base import CachedModel, Engine, EngineConfig, visible
+from decoding.engines.base import CachedModel, EngineConfig, SlotEngine, visible
 from decoding.engines.log import TokenLog
-from decoding.sampling import SAMPLE, sample
+from decoding.engines.verify import draws
+from decoding.sampling import Streams, sample
 
 
 @dataclass
@@ -16,31 +18,45 @@ class VanillaConfig(EngineConfig):
     name: str = "vanilla"
 
 
-class Vanilla(Engine):
+class Vanilla(SlotEngine):
     name, Config = "vanilla", VanillaConfig
 
-    def _generate(self, cond, streams):
-        B, L, N, dev = len(streams), self.L, self.N, self.device
-        R = 2 * B if self.sampling.use_cfg else B
-        target = CachedModel(self.gpt, R, L + N, self.bundle.dtype)
-        log = TokenLog(B, N, self.G, dev)
-        u = streams.uniform(SAMPLE, torch.arange(N, device=dev)[None])      # [B, N]: token i draws u[:, i]
-        tokens, p_target = log.col("token_id"), log.col("p_target")   # every row writes column i at step i
-        log.col("step")[:, :N] = torch.arange(N, device=dev)
-        log.col("accept_len")[:, :N] = 1
-        feats, _ = self.prefill(target, cond)
-        probs = self.target_probs(feats[:, -1])
-        see = torch.zeros(R, 1, 1, dtype=torch.long, device=dev)
-        for i in range(N):
-            x = sample(probs, u[:, i])
-            tokens[:, i], p_target[:, i] = x, probs.gather(1, x[:, None])[:, 0]
-            if i == N - 1:
-                break
-            with log.phase("forward"):
-                slots = see[:, :, 0] + L + i
-                f = self.gpt.forward_embeds(self.gpt.embed_tokens(self.rows(x))[:, None], slots,
-                                            visible(target.valid, see + L + i), slots)
-                target.commit(slots)
-                probs = self.target_probs(f[:, 0])
-        log.n[:], log.target_forwards[:] = N, N
-        return log
+    def _start(self, slots: int):
+        R = 2 * slots if self.sampling.use_cfg else slots
+        log = TokenLog(slots, self.N, self.G, self.device)
+        log.n[:] = self.N                                             # empty slots are finished rows
+        streams = Streams([0] * slots, self.device)
+        return SimpleNamespace(slots=slots, log=log, streams=streams, u=draws(streams, self.N),
+                               target=CachedModel(self.gpt, R, self.L + self.N, self.bundle.dtype),
+                               probs=None)
+
+    def _admit(self, st, rows, cond, seeds):
+        st.log.reset(rows)
+        st.streams.reseed(rows, seeds)
+        st.u[rows] = draws(st.streams, self.N)[rows]
+        feats, _ = self.prefill(st.target, cond, rows, st.slots)
+        p = self.target_probs(feats[:, -1])                           # [k, V]
+        if st.probs is None:
+            st.probs = torch.zeros(st.slots, p.shape[-1], device=self.device)
+        st.probs[rows] = p
+        self._sample(st, rows)
+
+    def _sample(self, st, rows=None):
+        """Draw and commit the next token of rows (default: every unfinished row) from st.probs."""
+        log = st.log
+        active = log.n < self.N if rows is None else torch.zeros_like(log.n, dtype=torch.bool).index_fill(0, rows, True)
+        x = sample(st.probs, st.u.gather(1, log.n.clamp(max=self.N - 1)[:, None])[:, 0])
+        count = active.long()
+        log.commit(count, token_id=x, p_target=st.probs.gather(1, x[:, None])[:, 0], step=log.n, accept_len=1)
+        log.target_forwards += count
+
+    def _step(self, st):
+        log, L = st.log, self.L
+        with log.phase("forward"):
+            slots = (L + log.n.clamp(max=self.N) - 1)[:, None]                 # the last token's position
+            x = log.tokens.gather(1, (log.n - 1).clamp(0, self.N - 1)[:, None]).clamp(min=0)
+            rs = self.rows(slots)
+            f = self.gpt.forward_embeds(self.gpt.embed_tokens(self.rows(x)), rs, visible(st.target.valid, rs[..., None]), rs)
+            st.target.commit(rs, self.rows(log.n < self.N)[:, None])
+            st.probs = self.target_probs(f[:, 0])
+        self._sample(st)

@@ -66,11 +66,11 @@ class Drafter(nn.Module):
         return [layer.attention.kv_cache for layer in self.layers]
 
     def forward(self, emb: torch.Tensor, feat: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor,
-                slots=None) -> torch.Tensor:
+                slots=None, rows=None) -> torch.Tensor:
         """emb = e_{p+1}, feat = f_p, both [B, T, dim]; pos [B, T] = p + 1 (the position whose feature
         is predicted, which picks the RoPE row). Returns predicted features [B, T, dim]."""
         h = self.fc(torch.cat([emb, feat.to(emb.dtype)], -1))
         rope = self.rope[pos]
         for layer in self.layers:
-            h = layer(h, rope, mask, slots)
+            h = layer(h, rope, mask, slots, rows)
         return h

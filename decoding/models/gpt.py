@@ -166,7 +166,7 @@ class Attention(nn.Module):
         self.resid_dropout = nn.Dropout(a.resid_dropout_p) if a.resid_dropout_p else nn.Identity()
         self.kv_cache: Optional[KVCache] = None
 
-    def forward(self, x, rope, mask, slots=None):
+    def forward(self, x, rope, mask, slots=None, rows=None):
         B, T, _ = x.shape
         kv = self.n_kv_head * self.head_dim
         q, k, v = self.wqkv(x).split([self.n_head * self.head_dim, kv, kv], dim=-1)
@@ -174,7 +174,7 @@ class Attention(nn.Module):
         k = apply_rope(k.view(B, T, self.n_kv_head, self.head_dim), rope)
         v = v.view(B, T, self.n_kv_head, self.head_dim)
         if slots is not None:  # cached decoding; training runs without a cache
-            k, v = self.kv_cache.update(slots, k, v)  # -> whole cache [B, S, Hkv, D]
+            k, v = self.kv_cache.update(slots, k, v, rows)  # -> whole cache [B, S, Hkv, D]
             k, v = k[:, : mask.shape[-1]], v[:, : mask.shape[-1]]  # the mask may cover only a prefix
             q = q.to(k.dtype)  # the cache may be kept in fp32 (see setup_caches)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
@@ -193,8 +193,8 @@ class TransformerBlock(nn.Module):
         self.attention_norm = RMSNorm(a.dim, a.norm_eps)
         self.ffn_norm = RMSNorm(a.dim, a.norm_eps)
 
-    def forward(self, x, rope, mask, slots=None):
-        h = x + self.attention(self.attention_norm(x), rope, mask, slots)
+    def forward(self, x, rope, mask, slots=None, rows=None):
+        h = x + self.attention(self.attention_norm(x), rope, mask, slots, rows)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -268,17 +268,17 @@ class GPT(nn.Module):
 
     # -- forward ------------------------------------------------------------------------------------
     def forward_embeds(self, h: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor,
-                       slots: Optional[torch.Tensor] = None) -> torch.Tensor:
+                       slots: Optional[torch.Tensor] = None, rows: Optional[torch.Tensor] = None) -> torch.Tensor:
         """h [B, T, dim], pos [B, T] logical positions, mask [B, T, S] (S <= cache length: the prefix of
-        cache slots attention reads; T without a cache). Returns the final hidden state after the last
-        norm (the 'feature' EAGLE drafts from)."""
+        cache slots attention reads; T without a cache), `rows` [B] the cache rows (default the first B).
+        Returns the final hidden state after the last norm (the 'feature' EAGLE drafts from)."""
         rope = self.rope[pos]
         if self.args.abs_pos_embed:  # image cell of each input token; condition positions get none
             cell = pos - self.args.cls_token_num
             h = h + self.pos_embeddings(cell.clamp(min=0)) * (cell >= 0)[..., None].to(h.dtype)
         h = self.tok_dropout(h)
         for layer in self.layers:
-            h = layer(h, rope, mask, slots)
+            h = layer(h, rope, mask, slots, rows)
         return self.norm(h)
 
     def logits(self, feature: torch.Tensor) -> torch.Tensor:

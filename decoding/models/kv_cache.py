@@ -22,12 +22,17 @@ class KVCache(nn.Module):
     def seq_len(self) -> int:
         return self.k.shape[1]
 
-    def update(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-        """slots [B, T]; k, v [B, T, H, D]. Returns the whole cache (k, v) [B, S, H, D]."""
-        rows = self.rows[: slots.shape[0]]
-        self.k[rows, slots] = k.to(self.k.dtype)
-        self.v[rows, slots] = v.to(self.v.dtype)
-        return self.k[: slots.shape[0]], self.v[: slots.shape[0]]
+    def update(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor | None = None):
+        """slots [B, T]; k, v [B, T, H, D], written to cache rows `rows` [B] (default: the first B).
+        Returns those rows' whole cache (k, v) [B, S, H, D]."""
+        if rows is None:
+            r = self.rows[: slots.shape[0]]
+            self.k[r, slots] = k.to(self.k.dtype)
+            self.v[r, slots] = v.to(self.v.dtype)
+            return self.k[: slots.shape[0]], self.v[: slots.shape[0]]
+        self.k[rows[:, None], slots] = k.to(self.k.dtype)
+        self.v[rows[:, None], slots] = v.to(self.v.dtype)
+        return self.k[rows], self.v[rows]
 
     def move(self, src: torch.Tensor, dst: torch.Tensor):
         """Copy entries at slots src [B, A] to slots dst [B, A], per row (gather first: ranges may overlap)."""

@@ -1,0 +1,129 @@
+"""What a forward costs on this device: the target's and the drafter's milliseconds per forward as a
+function of rows x tokens per row, measured once per (device, model) when an engine starts and cached on
+disk (docs/design.md, "Budgets"). The tree engines' budget controller reads it to decide how many draft
+tokens a step should verify, if any.
+
+A table, not a formula: on a CPU the cost of T tokens grows with T from the first token (compute
+bound, more so in fp32), on a GPU it is flat until the device fills; either way the measured grid says
+so, and a cost between grid points is interpolated linearly (extrapolated at the edges).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+log = logging.getLogger("arspec.cost")
+
+ROWS = (2, 4, 8, 16, 32)
+TOKENS = (1, 2, 4, 8, 16, 32)
+
+
+@dataclass
+class CostTable:
+    rows: list                  # R: cache rows per forward (with CFG, 2 per prompt)
+    tokens: list                # T: tokens per row
+    target_ms: list             # [len(rows)][len(tokens)]
+    drafter_ms: list
+    key: str = ""
+
+    def _at(self, table, R: float, T: float) -> float:
+        rows, tokens, t = np.array(self.rows, float), np.array(self.tokens, float), np.array(table, float)
+        per_row = [np.interp(T, tokens, line) if T <= tokens[-1] else
+                   line[-1] + (T - tokens[-1]) * (line[-1] - line[-2]) / (tokens[-1] - tokens[-2]) for line in t]
+        if R <= rows[-1]:
+            return float(np.interp(R, rows, per_row))
+        return float(per_row[-1] + (R - rows[-1]) * (per_row[-1] - per_row[-2]) / (rows[-1] - rows[-2]))
+
+    def target(self, R: float, T: float) -> float:
+        """ms of one target forward over R rows x T tokens (past a committed prefix)."""
+        return self._at(self.target_ms, R, T)
+
+    def drafter(self, R: float, T: float) -> float:
+        return self._at(self.drafter_ms, R, T)
+
+    def summary(self) -> str:
+        line = lambda name, t: f"{name} ms " + "; ".join(  # noqa: E731
+            f"R={r}: " + " ".join(f"{v:.2f}" for v in row) for r, row in zip(self.rows, t))
+        return f"T={self.tokens} | " + line("target", self.target_ms) + " | " + line("drafter", self.drafter_ms)
+
+
+def cache_key(bundle) -> str:
+    dev = bundle.device
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"cpu{os.cpu_count()}-t{torch.get_num_threads()}"
+    spec = json.dumps([name, torch.__version__, str(bundle.dtype), bundle.gpt.args.to_dict(),
+                       bundle.drafter.args.to_dict() if bundle.drafter is not None else None], sort_keys=True)
+    return hashlib.blake2b(spec.encode(), digest_size=8).hexdigest()
+
+
+@torch.inference_mode()
+def measure(bundle, rows=ROWS, tokens=TOKENS, reps: int = 3) -> CostTable:
+    """Median ms per forward over a grid of (rows, tokens), after a committed prefix as long as the
+    condition and half an image (the average position of a step)."""
+    from decoding.engines.base import CachedModel, visible
+    out = {}
+    a = bundle.gpt.args
+    dim, dev, prefix = a.dim, bundle.device, a.cls_token_num + a.block_size // 2
+    last = a.cls_token_num + a.block_size - 1                     # RoPE positions stay in the table
+    for name, m in (("target", bundle.gpt), ("drafter", bundle.drafter)):
+        if m is None:
+            out[name] = [[0.0] * len(tokens) for _ in rows]
+            continue
+        grid = []
+        for R in rows:
+            cache = CachedModel(m, R, prefix + max(tokens) + 1, bundle.dtype)
+            cache.valid[:, :prefix] = True
+            line = []
+            for T in tokens:
+                slots = (prefix + torch.arange(T, device=dev)).expand(R, T)
+                see = torch.where(torch.ones(T, T, dtype=torch.bool, device=dev).tril(), slots[:, None, :], slots[:, :, None])
+                mask = visible(cache.valid, see)
+                h = torch.randn(R, T, dim, device=dev).to(bundle.dtype)
+                pos = slots.clamp(max=last)
+                call = (lambda: m.logits(m.forward_embeds(h, pos, mask, slots))) if name == "target" else \
+                    (lambda: bundle.gpt.logits(m(h, h, pos, mask, slots)))
+                times = []
+                for _ in range(reps + 1):
+                    if dev.type == "cuda":
+                        torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    call()
+                    if dev.type == "cuda":
+                        torch.cuda.synchronize()
+                    times.append(time.perf_counter() - t0)
+                line.append(round(1000 * float(np.median(times[1:])), 4))
+            grid.append(line)
+        out[name] = grid
+    return CostTable(list(rows), list(tokens), out["target"], out["drafter"])
+
+
+def cost_table(bundle, cache_dir: str | None = None) -> CostTable:
+    """The cost table of this bundle on its device: from the cache, or measured now (a second or two)
+    and cached. `cache_dir` (default $ARSPEC_CACHE or ~/.cache/arspec) holds one JSON file per key."""
+    key = cache_key(bundle)
+    folder = Path(cache_dir or os.environ.get("ARSPEC_CACHE") or Path.home() / ".cache" / "arspec") / "costs"
+    path = folder / f"{key}.json"
+    if path.exists():
+        try:
+            return CostTable(**json.loads(path.read_text()))
+        except (ValueError, TypeError):
+            pass                                                      # a damaged cache file: measure again
+    t0 = time.perf_counter()
+    table = measure(bundle)
+    table.key = key
+    log.info(f"[cost] measured in {time.perf_counter() - t0:.1f}s: {table.summary()}")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(asdict(table)))
+        tmp.replace(path)
+    except OSError as e:                                              # a read-only home: keep it in memory
+        log.warning(f"[cost] cannot cache the cost table in {folder}: {e}")
+    return table
