@@ -287,6 +287,9 @@ def test_find_runs_and_baselines(runs):
     assert rs[1].baseline is rs[0] and rs[0].baseline is None
     pair_baselines(rs, {("eagle2", "vanilla"): 0}, ["vanilla"])  # no shared prompt: no baseline
     assert rs[1].baseline is None
+    rs[0].model = {"name": "llamagen"}                           # another model family: no baseline
+    pair_baselines(rs, {("eagle2", "vanilla"): 2}, ["vanilla"])
+    assert rs[1].baseline is None
 
 
 def test_report_end_to_end(tmp_path):
@@ -298,6 +301,8 @@ def test_report_end_to_end(tmp_path):
     pool = scene_pool(16, 0)
     for engine in ("vanilla", "adt_tree", "lantern", "cspd_like"):
         make_run(tmp_path / "sweep" / engine, engine, 24, 8, pool, 0)
+    (tmp_path / "sweep" / "sjd" / "images").mkdir(parents=True)          # a run with nothing committed yet
+    (tmp_path / "sweep" / "sjd" / "job.json").write_text(json.dumps({"engine": {"name": "sjd"}}))
     out = build([tmp_path / "sweep"], ReportConfig(out=str(tmp_path / "report"), examples=1, side_by_side=2,
                                                    feature_images=20), command="test")
     page = (out / "index.html").read_text()
@@ -307,6 +312,7 @@ def test_report_end_to_end(tmp_path):
                    "adherence", "distance", "family", "examples", "samples"):
         assert f'id="{anchor}"' in page
     assert "Not shown" not in page
+    assert "Left out, no image committed yet: sjd." in page
     assert "window_pos" in page and "log_accept_ratio" in page
     s = {r["label"]: r for r in json.loads((out / "summary.json").read_text())["runs"]}
     assert [s[k]["baseline"] for k in ("vanilla", "adt_tree", "lantern", "cspd_like")] == [None] + ["vanilla"] * 3

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import resource
 import shlex
 import shutil
 import sys
@@ -20,6 +21,7 @@ from typing import Optional
 
 import numpy as np
 
+from workflows.config import ConfigError
 from workflows.report import distance, html as H, plots, queries as Q
 from workflows.report.images import decode, scan
 from workflows.report.runs import Run, find_runs, load_runs, non_default_settings, pair_baselines
@@ -34,7 +36,7 @@ class ReportConfig:
     pr_k: int = 3                        # neighbours of the precision / recall manifolds
     scorer: bool = True                  # prompt adherence and distance features (the family's scorer)
     baselines: list = field(default_factory=lambda: ["vanilla", "mar"])   # non-speculative engines
-    memory_limit: str = "4GB"            # DuckDB's; past it aggregates spill to <out>/.duckdb_tmp
+    memory_limit: str = "2GB"            # DuckDB's; past it aggregates spill to <out>/.duckdb_tmp
     threads: Optional[int] = None        # DuckDB threads; null = all cores
     image_batch: int = 512               # images decoded at a time
 
@@ -80,6 +82,25 @@ def _adherence(table, attributes: list[str]) -> dict[str, dict[str, float]]:
     return out
 
 
+class _Clock:
+    """Seconds per named stage, for the progress lines (bench_analyze reports them)."""
+    def __init__(self):
+        self.t0 = self.last = time.perf_counter()
+        self.stages = []
+
+    def __call__(self, name: str):
+        now = time.perf_counter()
+        self.stages.append((name, now - self.last, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024))
+        self.last = now
+
+    def total(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def __str__(self):
+        return ", ".join(f"{n} {s:.1f} s" for n, s, _ in self.stages) + "; peak RSS after each: " + \
+            ", ".join(f"{m:.0f}" for _, _, m in self.stages) + " MB"
+
+
 def collect(runs: list[Run], con, cfg: ReportConfig) -> tuple[dict, dict]:
     """Every number of the report per run label, and each run's DuckDB tables."""
     tabs = {r.label: Q.Tables(con, Q.parquet(r.glob("images")), Q.parquet(r.glob("tokens")), Q.parquet(r.glob("errors")))
@@ -89,8 +110,8 @@ def collect(runs: list[Run], con, cfg: ReportConfig) -> tuple[dict, dict]:
     pair_baselines(runs, matched, cfg.baselines)
     scorers, data = {}, {}
     for i, r in enumerate(runs):
-        t0 = time.perf_counter()
         t = tabs[r.label]
+        clock = _Clock()
         d = data[r.label] = {"summary": Q.image_summary(t), "tau": Q.tau_values(t), "errors": Q.errors(t)}
         d["versus"] = Q.versus(t, tabs[r.baseline.label]) if r.baseline else None
         if d["versus"] and not (r.batch_size == 1 and r.baseline.batch_size == 1):
@@ -98,29 +119,35 @@ def collect(runs: list[Run], con, cfg: ReportConfig) -> tuple[dict, dict]:
                 if v["split"] != "all":    # own seconds exist only at batch size 1
                     v["speedup"] = None
         d["speculative"] = Q.speculative(t)
+        clock("images table")
         if t.tok is not None:
             d["cells"] = Q.cells(t)
             d["extra"] = {c: Q.profile(t, c, ty) for c, ty in Q.extra_columns(t).items()}
+            clock("cells")
         if t.tok is not None and d["speculative"]:
             hist = Q.step_histogram(t)
             d["steps"] = hist and {f"{a},{dd}": n for (a, dd), n in sorted(hist.items())}
             d["depth_acceptance"] = Q.depth_acceptance(hist) if hist else None
+            clock("steps")
             d["by_tree_depth"] = Q.by_value(t, "tree_depth") if t.has("tree_depth") else None
             d["by_tree_width"] = Q.by_value(t, "tree_width") if t.has("tree_width") else None
             d["calibration_draft"] = Q.calibration_draft(t)
             d["calibration_target"] = Q.calibration_target(t)
+            clock("tokens by depth, width, probability")
         scorer = _scorer(r, scorers) if cfg.scorer else None
         ids = set(Q.first_ids(t, cfg.feature_images)) if scorer is not None and cfg.feature_images > 1 else set()
         facts = scan(str(r.path / "images"), scorer, ids, cfg.image_batch)
+        clock("image pass")
         name = f"flat_{i}"
         con.register(name, facts.table)
         d["flat_busy"] = Q.flat_busy(t, name) if t.tok is not None and d["speculative"] else None
+        clock("flat/busy join")
         d["flat_share"] = facts.flat_share
         d["adherence"] = _adherence(facts.table, facts.attributes)
         d["features"] = facts.features
-        d["seconds"] = time.perf_counter() - t0
-        print(f"[analyze] {r.label}: {d['summary'][0]['images'] if d['summary'] else 0} images in {d['seconds']:.1f} s",
-              file=sys.stderr)
+        d["seconds"] = clock.total()
+        print(f"[analyze] {r.label}: {d['summary'][0]['images'] if d['summary'] else 0} images in {d['seconds']:.1f} s "
+              f"({clock})", file=sys.stderr)
     for r in runs:
         d, b = data[r.label], r.baseline
         d["distance"] = None
@@ -158,9 +185,9 @@ def _summary_rows(runs, data) -> list[list]:
     return rows
 
 
-def page(runs: list[Run], data: dict, figs: dict, samples: dict, examples: dict, cfg: ReportConfig, command: str) -> str:
+def page(runs: list[Run], data: dict, figs: dict, samples: dict, examples: dict, cfg: ReportConfig, command: str,
+         skipped: list[str]) -> str:
     S = []
-    base_note = ""
     # runs
     rows = [[H.esc(r.label), f"<code>{H.esc(r.path)}</code>", H.esc(r.engine), H.esc(r.acceptance),
              H.esc(_settings_line(r)), r.seed, r.batch_size or "—",
@@ -173,7 +200,7 @@ def page(runs: list[Run], data: dict, figs: dict, samples: dict, examples: dict,
     S.append(("summary", "Summary", H.table(
         ["run", "split", "images", "τ mean", "τ median [p10, p90]", "τ pooled", "target fwd / image",
          "draft fwd / image", "engine s / image", "step compression", "speedup", "accepted, flat cells", "accepted, busy cells",
-         "adherence (all six)"], _summary_rows(runs, data), left=2)
+         "adherence (all attributes)"], _summary_rows(runs, data), left=2)
         + '<p class="muted">τ: tokens committed per target forward, per image (mean and percentiles over images); pooled: all tokens ÷ all target forwards. '
           "Step compression and speedup are against the baseline run on the same (prompt, seed) pairs: Σ baseline "
           "target forwards ÷ Σ this run's, and Σ baseline engine seconds ÷ Σ this run's. Those seconds are each "
@@ -206,14 +233,14 @@ def page(runs: list[Run], data: dict, figs: dict, samples: dict, examples: dict,
                  "edges, speckle.",
         "flat": "Tokens on flat and busy cells of their own image (cells decided from the generated pixels).",
         "adherence": "The model family's scorer reads each generated image and compares it with the attributes the "
-                     "prompt asks for; 'all six' needs every attribute right.",
+                     "prompt asks for; 'all' needs every attribute right. Error bars: ±1 binomial standard error.",
         "distance": "Features: the shapes scorer's penultimate layer (256 values after its last hidden Linear + GELU, "
                     "the input of its attribute heads), on the same prompts in both runs. Fréchet distance of the "
                     "Gaussians fitted to the two feature sets (FID's formula); precision / recall as in Kynkäänniemi "
-                    "et al. 2019 with k = 3. Lossless runs sample vanilla's distribution with other draws: their "
+                    f"et al. 2019 with k = {cfg.pr_k}. Lossless runs sample vanilla's distribution with other draws: their "
                     "numbers are the noise floor a relaxed run should be read against. The Fréchet distance of finite "
-                    "samples is biased upwards, more so with few images per feature (256 features): compare runs at "
-                    "the same number of images only.",
+                    f"samples is biased upwards, more so with few images per feature ({_feature_dim(data)} features): "
+                    "compare runs at the same number of images only.",
     }
     for key, anchor, title in (("tau", "tau", "τ per image"), ("versus", "speed", "Against the baseline"),
                                ("depth", "depth", "Acceptance by tree depth"),
@@ -251,8 +278,13 @@ def page(runs: list[Run], data: dict, figs: dict, samples: dict, examples: dict,
     else:
         S.append(("samples", "Same prompt, every run", "<p>No prompt is in every run.</p>"))
     sub = (f"{len(runs)} run(s), generated {time.strftime('%Y-%m-%d %H:%M')} by <code>{H.esc(command)}</code>. "
-           f"Every number comes from the runs' Parquet folders; summary.json beside this page holds them all.{base_note}")
+           f"Every number comes from the runs' Parquet folders; summary.json beside this page holds them all."
+           + (f" Left out, no image committed yet: {H.esc(', '.join(skipped))}." if skipped else ""))
     return H.page("arspec run report", sub, S)
+
+
+def _feature_dim(data: dict) -> int | None:
+    return next((len(v) for d in data.values() for v in d["features"].values()), None)
 
 
 def _adherence_table(runs, data) -> str:
@@ -261,7 +293,7 @@ def _adherence_table(runs, data) -> str:
         for s, a in data[r.label]["adherence"].items():
             rows.append([H.esc(r.label), H.esc(s), a["images"]] + [H.pct(v) for k, v in a.items() if k != "images"])
     attrs = next((list(a) for r in runs for a in data[r.label]["adherence"].values()), [])
-    return H.table(["run", "split", "scored images"] + [("all six" if k == "all" else k) for k in attrs if k != "images"],
+    return H.table(["run", "split", "scored images"] + [("all attributes" if k == "all" else k) for k in attrs if k != "images"],
                    rows, left=2)
 
 
@@ -273,7 +305,7 @@ def _distance_table(runs, data) -> str:
 
 
 # -- figures -------------------------------------------------------------------------------------------
-def figures(runs: list[Run], data: dict) -> dict:
+def figures(runs: list[Run], data: dict, cfg: ReportConfig) -> dict:
     col = plots.colours([r.label for r in runs])
     figs = {"tau": plots.tau_hist({r.label: data[r.label]["tau"] for r in runs}, col)}
     vs = {r.label: data[r.label]["versus"] for r in runs if data[r.label]["versus"]}
@@ -313,7 +345,7 @@ def figures(runs: list[Run], data: dict) -> dict:
         figs["why_adherence"] = "the runs' model family has no scorer, or their prompts are not ones it reads"
     dist = [dict(run=r.label, relaxed=r.relaxed, **data[r.label]["distance"]) for r in runs if data[r.label]["distance"]]
     if dist:
-        figs["distance"] = plots.distances(dist, col)
+        figs["distance"] = plots.distances(dist, col, cfg.pr_k)
     else:
         figs["why_distance"] = "needs a baseline run and a scorer with features (the shapes family has one)"
     extra = {}
@@ -386,23 +418,40 @@ def _jsonable(x):
 
 
 def build(paths: list, cfg: ReportConfig, command: str | None = None) -> Path:
-    """Write <out>/index.html and <out>/summary.json for the runs under `paths`; returns <out>."""
+    """Write <out>/index.html, <out>/summary.json and <out>/figures/*.png for the runs under `paths`;
+    returns <out>."""
     found = find_runs(paths)
     runs = load_runs(found, list(cfg.baselines))
+    skipped = [r.label for r in runs if r.glob("images") is None]        # nothing committed yet
+    runs = [r for r in runs if r.glob("images") is not None]
+    if not runs:
+        raise ConfigError(f"run_dirs: no image has been committed in {', '.join(map(str, found))} yet; "
+                          f"run the job first")
     out = Path(cfg.out) if cfg.out else default_out(found)
     out.mkdir(parents=True, exist_ok=True)
     tmp = out / ".duckdb_tmp"
     con = Q.connect(cfg.memory_limit, str(tmp), cfg.threads)
     try:
         data, tabs = collect(runs, con, cfg)
-        figs = figures(runs, data)
+        clock = _Clock()
+        figs = figures(runs, data, cfg)
+        clock("figures")
         side = samples(runs, tabs, data, cfg.side_by_side)
+        clock("side by side")
         ex = example_figures(runs, tabs, data, cfg.examples)
+        clock("examples")
     finally:
         con.close()
         shutil.rmtree(tmp, ignore_errors=True)
+    fdir = out / "figures"                                # the same figures as files, for docs and slides
+    fdir.mkdir(exist_ok=True)
+    for name, png in [*((k, v) for k, v in figs.items() if isinstance(v, bytes)),
+                      *((f"family_{k}", v) for k, v in figs.get("extra", {}).items()),
+                      *((f"examples_{k}", v) for k, v in ex.items())]:
+        (fdir / f"{name.replace('/', '_')}.png").write_bytes(png)
+    print(f"[analyze] page: {clock.total():.1f} s ({clock})", file=sys.stderr)
     command = command or " ".join(shlex.quote(a) for a in ["python", "-m", "workflows.analyze", *sys.argv[1:]])
-    (out / "index.html").write_text(page(runs, data, figs, side, ex, cfg, command))
+    (out / "index.html").write_text(page(runs, data, figs, side, ex, cfg, command, skipped))
     summary = {"runs": [{"label": r.label, "path": str(r.path), "engine": r.engine, "acceptance": r.acceptance,
                          "baseline": r.baseline.label if r.baseline else None, **_jsonable(data[r.label])} for r in runs]}
     (out / "summary.json").write_text(json.dumps(summary, indent=1))

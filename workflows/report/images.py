@@ -31,9 +31,9 @@ def flat_cells(images: np.ndarray, grid: int, tol: float = FLAT_TOL) -> np.ndarr
     B, H = images.shape[:2]
     c = H // grid
     cells = images.reshape(B, grid, c, grid, c, 3).transpose(0, 1, 3, 2, 4, 5).reshape(B, grid, grid, c * c, 3)
-    cells = cells.astype(np.float32)
-    mean = cells.mean(3)                                                   # [B, g, g, 3]
-    flat = np.abs(cells - mean[:, :, :, None]).max((3, 4)) < tol
+    mean = cells.sum(3, dtype=np.int32).astype(np.float32) / (c * c)      # [B, g, g, 3]
+    # the largest |pixel - mean| of a cell is at its darkest or brightest pixel: uint8 reductions, no copy
+    flat = np.maximum(cells.max(3) - mean, mean - cells.min(3)).max(-1) < tol
     pad = np.pad(mean, ((0, 0), (1, 1), (1, 1), (0, 0)), mode="edge")
     for dr, dc in ((0, 1), (2, 1), (1, 0), (1, 2)):
         flat &= np.abs(pad[:, dr:dr + grid, dc:dc + grid] - mean).max(-1) < tol
@@ -99,7 +99,8 @@ def scan(images_dir: str, scorer=None, feature_ids: set[str] | None = None, batc
                 adh += score_prompts(scorer, pix, ch["prompt"])
                 if caught:
                     f = np.concatenate(caught)
-                    feats.update({p: f[j] for j, p in enumerate(pid) if p in feature_ids})
+                    feats.update({p: f[j].copy() for j, p in enumerate(pid) if p in feature_ids})  # not views:
+                    # a view would keep its whole chunk's features alive
     finally:
         if hook is not None:
             hook.remove()

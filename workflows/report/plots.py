@@ -174,14 +174,14 @@ def adherence(values: dict[str, dict[str, float]], counts: dict[str, int], col: 
         ax.errorbar(x + (i - (len(values) - 1) / 2) * w, 100 * p, yerr=100 * se, fmt="o", ms=6, capsize=3,
                     color=col[label], label=f"{label} (n = {counts[label]})")
         lo = min(lo, float(np.nanmin(100 * (p - se))))
-    ax.set_xticks(x, [a if a != "all" else "all six" for a in attrs])
+    ax.set_xticks(x, [a if a != "all" else "all at once" for a in attrs])
     ax.set(title="Prompt adherence (the family's scorer reads the generated image), ±1 standard error",
            xlabel="attribute asked for", ylabel="images that match (%)", ylim=(max(0, 10 * np.floor(lo / 10) - 5), 102))
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1))
     return png(fig)
 
 
-def distances(rows: list[dict], col: dict) -> bytes:
+def distances(rows: list[dict], col: dict, k_nn: int) -> bytes:
     """Fréchet distance to the baseline's images and the precision / recall pair, one bar per run."""
     labels = [r["run"] for r in rows]
     fig, axes = plt.subplots(1, 2, figsize=(11, 3.6))
@@ -204,7 +204,7 @@ def distances(rows: list[dict], col: dict) -> bytes:
         axes[1].bar_label(b, fmt="%.0f", fontsize=8)
         axes[1].bar(0, 0, 0, color="w", edgecolor="k", hatch=hatch, label=key)       # legend key only
     axes[1].set_xticks(x, labels, rotation=15)
-    axes[1].set(title="Precision / recall against the baseline (k = 3)", xlabel="run",
+    axes[1].set(title=f"Precision / recall against the baseline (k = {k_nn})", xlabel="run",
                 ylabel="% of samples in the other set's manifold", ylim=(0, 110))
     axes[1].legend(loc="upper center", bbox_to_anchor=(0.5, -0.3), ncol=2)
     return png(fig)
