@@ -321,6 +321,8 @@ def test_report_end_to_end(tmp_path):
     tok = pq.read_table(tmp_path / "sweep" / "adt_tree" / "tokens").to_pandas()
     img = pq.read_table(tmp_path / "sweep" / "adt_tree" / "images").to_pandas()
     assert s["adt_tree"]["summary"][0]["tau_pooled"] == pytest.approx(len(tok) / img.target_forwards.sum(), abs=1e-6)
+    assert s["adt_tree"]["summary"][0]["tau"] == pytest.approx(img.mean_accept_len.mean(), abs=1e-5)
+    assert "features" not in s["adt_tree"] and "flat_share" not in s["adt_tree"]
     comp = s["adt_tree"]["versus"][0]
     assert comp["split"] == "all" and comp["compression"] == pytest.approx(24 * 256 / img.target_forwards.sum(), abs=1e-6)
     assert s["adt_tree"]["adherence"]["all"]["all"] == 1.0      # true renders of their captions

@@ -403,9 +403,16 @@ def example_figures(runs: list[Run], tabs: dict, data: dict, n: int) -> dict:
 
 
 # -- entry ----------------------------------------------------------------------------------------------
+def _per_run(d: dict) -> dict:
+    """A run's numbers for summary.json, less the per-image arrays (τ of every image, feature vectors,
+    flat-cell shares) that the figures were drawn from: only a run's top level holds them, so a summary
+    row's own "tau" stays."""
+    return {k: v for k, v in d.items() if k not in ("features", "tau", "flat_share")}
+
+
 def _jsonable(x):
     if isinstance(x, dict):
-        return {str(k): _jsonable(v) for k, v in x.items() if k not in ("features", "tau", "flat_share")}
+        return {str(k): _jsonable(v) for k, v in x.items()}
     if isinstance(x, (list, tuple)):
         return [_jsonable(v) for v in x]
     if isinstance(x, np.ndarray):
@@ -453,6 +460,6 @@ def build(paths: list, cfg: ReportConfig, command: str | None = None) -> Path:
     command = command or " ".join(shlex.quote(a) for a in ["python", "-m", "workflows.analyze", *sys.argv[1:]])
     (out / "index.html").write_text(page(runs, data, figs, side, ex, cfg, command, skipped))
     summary = {"runs": [{"label": r.label, "path": str(r.path), "engine": r.engine, "acceptance": r.acceptance,
-                         "baseline": r.baseline.label if r.baseline else None, **_jsonable(data[r.label])} for r in runs]}
+                         "baseline": r.baseline.label if r.baseline else None, **_jsonable(_per_run(data[r.label]))} for r in runs]}
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     return out
