@@ -35,6 +35,12 @@ def _image(kind: str) -> np.ndarray:
     return img
 
 
+def _schema(cols) -> pa.Schema:
+    """The job's types for the columns a hand-made table holds: a column that a later engine adds to
+    TOKEN_COLUMNS (e.g. budget) is left out, as in a run written before it existed."""
+    return pa.schema([f for f in TOKEN_SCHEMA if f.name in cols])
+
+
 def _write_run(root, name, engine, images: list[dict], tokens: dict | None, errors: list[dict] = ()):
     d = root / name
     (d / "images").mkdir(parents=True)
@@ -44,7 +50,7 @@ def _write_run(root, name, engine, images: list[dict], tokens: dict | None, erro
     pq.write_table(pa.Table.from_pylist(rows, schema=IMAGE_SCHEMA), d / "images" / "part-0.parquet")
     if tokens is not None:
         (d / "tokens").mkdir()
-        pq.write_table(pa.Table.from_pydict(tokens, schema=TOKEN_SCHEMA), d / "tokens" / "part-0.parquet")
+        pq.write_table(pa.Table.from_pydict(tokens, schema=_schema(tokens)), d / "tokens" / "part-0.parquet")
     if errors:
         (d / "errors").mkdir()
         pq.write_table(pa.Table.from_pylist(list(errors), schema=ERROR_SCHEMA), d / "errors" / "part-0.parquet")
@@ -223,16 +229,19 @@ def test_image_tokens_and_ids(runs):
 def test_profile_of_family_columns(tmp_path):
     """Columns beyond the common ones (a continuous family's window position and log acceptance ratio)
     are found and profiled against acceptance; token_id may be null."""
-    schema = TOKEN_SCHEMA.append(pa.field("window_pos", pa.int32())).append(pa.field("log_ratio", pa.float32()))
     n = 6
     cols = {"prompt_id": ["a"] * n, "token_index": list(range(n)), "row": [0] * n, "col": list(range(n)),
             "token_id": [None] * n, "step": [0, 1, 1, 1, 2, 2], "accepted": [False, True, True, False, True, False],
             "accept_len": [1, 3, 3, 3, 2, 2], "p_target": [NAN] * n, "q_draft": [NAN] * n, "tree_depth": [0] * n,
             "tree_width": [0] * n, "engine": ["cspd"] * n, "window_pos": [0, 0, 1, 2, 0, 1],
-            "log_ratio": [0.0, -0.25, -0.5, -3.0, -0.125, float("-inf")]}
+            "log_ratio": [0.0, -0.25, -0.5, -3.0, -0.125, float("-inf")], "budget": [0] * n, "scale": [NAN] + [0.5] * 5}
+    schema = pa.schema([*_schema(Q.COMMON), pa.field("window_pos", pa.int32()), pa.field("log_ratio", pa.float32()),
+                        pa.field("budget", pa.int32()), pa.field("scale", pa.float32())])
     pq.write_table(pa.Table.from_pydict(cols, schema=schema), tmp_path / "t.parquet")
     t = Q.Tables(Q.connect("1GB"), "unused", Q.parquet(str(tmp_path / "t.parquet")))
-    assert Q.extra_columns(t) == {"window_pos": "INTEGER", "log_ratio": "FLOAT"}
+    assert Q.extra_columns(t) == {"window_pos": "INTEGER", "log_ratio": "FLOAT", "budget": "INTEGER", "scale": "FLOAT"}
+    # constant columns (a fill value: the run's engine does not write them) get no panel
+    assert Q.profile(t, "budget", "INTEGER") is None and Q.profile(t, "scale", "FLOAT") is None
     wp = Q.profile(t, "window_pos", "INTEGER")
     assert wp["kind"] == "values"
     assert [(r["value"], r["tokens"], r["accepted"]) for r in wp["rows"]] == [(0, 3, 2 / 3), (1, 2, 0.5), (2, 1, 0.0)]

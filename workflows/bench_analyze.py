@@ -108,11 +108,23 @@ def _cspd_tokens(rng, n: int) -> tuple[dict, int, int]:
     return cols, fwd, fwd
 
 
+CSPD_COLUMNS = (("window_pos", pa.int32()), ("log_accept_ratio", pa.float32()))
+
+
 def token_schema(engine: str) -> pa.Schema:
+    """The job's tokens schema, plus the continuous family's columns for cspd_like where the job's schema
+    does not have them yet."""
     from actors.output import TOKEN_SCHEMA
-    if engine != "cspd_like":
-        return TOKEN_SCHEMA
-    return TOKEN_SCHEMA.append(pa.field("window_pos", pa.int32())).append(pa.field("log_accept_ratio", pa.float32()))
+    extra = [pa.field(c, ty) for c, ty in CSPD_COLUMNS if engine == "cspd_like" and c not in TOKEN_SCHEMA.names]
+    return pa.schema([*TOKEN_SCHEMA, *extra])
+
+
+def _fill(n: int, field: pa.Field) -> np.ndarray:
+    """A column the synthetic engine does not write (a later engine's, e.g. a budget): its log fill value
+    (decoding/engines/log.py), else null."""
+    from decoding.engines.log import TOKEN_COLUMNS
+    fill = {c.name: c.fill for c in TOKEN_COLUMNS}.get(field.name)
+    return np.full(n, None, object) if fill is None else np.full(n, fill, field.type.to_pandas_dtype())
 
 
 def make_run(out: Path, engine: str, images: int, per_part: int, pool: list[dict], seed: int) -> None:
@@ -145,8 +157,8 @@ def make_run(out: Path, engine: str, images: int, per_part: int, pool: list[dict
                     "col": cells, "token_id": (np.full(n, None, object) if engine == "cspd_like"
                                                else rng.integers(0, 1024, n).astype(np.int32)),
                     "engine": np.full(n, name, object), **cols}
-            for c in schema.names:
-                tok[c].append(cols[c])
+            for f in schema:
+                tok[f.name].append(cols[f.name] if f.name in cols else _fill(n, f))
             scene = pool[i % len(pool)]
             for c, v in {"prompt_id": pid, "prompt": scene["prompt"], "seed": prompt_seed(seed, pid), "engine": name,
                          "model": "shapes", "image": {"bytes": scene["png"], "path": None}, "width": 64, "height": 64,

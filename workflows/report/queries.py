@@ -272,22 +272,26 @@ def extra_columns(t: Tables) -> dict[str, str]:
 def profile(t: Tables, col: str, ty: str, max_values: int = 64) -> dict | None:
     """How a family's own column relates to acceptance. Integer (or boolean) columns with at most
     max_values distinct values: tokens and accepted share per value. Otherwise BINS equal-width bins
-    between the finite min and max: tokens per bin, accepted and not."""
+    between the finite min and max: tokens per bin, accepted and not. None for a column with fewer than
+    two distinct values: that is the fill value (decoding/engines/log.py) of an engine that does not
+    write the column, e.g. a tree engine's window_pos once TOKEN_COLUMNS holds it."""
     if not t.has(col, "accepted"):
         return None
     integer = ty not in ("FLOAT", "DOUBLE")
     x = f"{col}::DOUBLE" if ty == "BOOLEAN" else col
     if integer:
         distinct = t.con.execute(f"SELECT count(DISTINCT {col}) FROM {t.tok}").fetchone()[0]
-        if 0 < distinct <= max_values:
+        if distinct < 2:
+            return None
+        if distinct <= max_values:
             return {"kind": "values", "rows": t.rows(
                 f"""SELECT {x} AS value, count(*) AS tokens, avg(accepted::INTEGER) AS accepted FROM {t.tok}
                     WHERE {col} IS NOT NULL GROUP BY {x} ORDER BY {x}""")}
     ok = f"{col} IS NOT NULL" + ("" if integer else f" AND isfinite({col})")
     lo, hi = t.con.execute(f"SELECT min({x}), max({x}) FROM {t.tok} WHERE {ok}").fetchone()
-    if lo is None:
+    if lo is None or not hi > lo:
         return None
-    width = (hi - lo) / BINS if hi > lo else 1.0
+    width = (hi - lo) / BINS
     rows = t.rows(f"""SELECT least(floor(({x} - ?) / ?), {BINS - 1})::INTEGER AS bin, accepted, count(*) AS tokens
                       FROM {t.tok} WHERE {ok} GROUP BY bin, accepted ORDER BY bin, accepted""", [lo, width])
     return {"kind": "bins", "lo": lo, "width": width, "rows": rows}
