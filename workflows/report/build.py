@@ -221,7 +221,7 @@ def page(runs: list[Run], data: dict, figs: dict, samples: dict, examples: dict,
         "depth": "Left: of the speculative steps that had accepted k−1 drafts and whose tree reached depth k, the "
                  "share that accepted a k-th (for runs without tree depths, every step that got that far). Right: "
                  "the share of tokens taken from the draft, by the depth d of the tree that produced them (ADT-Tree "
-                 "picks d per step; EAGLE-2's is fixed).",
+                 "picks d per step; EAGLE-2's is fixed, and shorter only where fewer tokens are left at the end of an image).",
         "calibration": "Left: accepted drafts in bins of their draft probability q (0.1 wide): the mean target "
                        "probability p of the same tokens against the mean q. On the diagonal the drafter is "
                        "calibrated; below it, over-confident. The log holds committed tokens only, so drafts the target "

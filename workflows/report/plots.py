@@ -230,7 +230,10 @@ def examples(label: str, items: list[tuple[np.ndarray, str, dict]], depth_max: f
             im = ax[2].imshow(maps["tree_depth"], cmap="viridis", vmin=0, vmax=depth_max or 1, interpolation="nearest")
             ax[2].set_title("tree depth of its step", fontsize=9)
             ax[2].set_xlabel("grid column")
-            fig.colorbar(im, ax=ax[2], fraction=0.046).set_label("levels", fontsize=8)
+            cb = fig.colorbar(im, ax=ax[2], fraction=0.046)
+            cb.locator = matplotlib.ticker.MaxNLocator(integer=True)   # depths are whole levels
+            cb.update_ticks()
+            cb.set_label("levels", fontsize=8)
     fig.suptitle(f"{label}: examples", y=1.0)
     fig.tight_layout()
     return png(fig)
