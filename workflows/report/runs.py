@@ -1,0 +1,102 @@
+"""Which runs a report covers: finding run folders, naming them, and pairing each with its baseline.
+
+A run folder is an out_dir of `workflows.generate` (docs/design.md, "Output contract"): it holds
+`images/` and `job.json`. A report takes one, a list, or a folder whose subfolders are runs (a sweep's
+parent, e.g. `out_dir=runs/sweep/${engine.name}` with `-m engine=...`).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from workflows.config import ConfigError
+
+
+@dataclass
+class Run:
+    path: Path
+    label: str                      # unique within the report: the folder name, with its parent if needed
+    engine: str                     # engine.name from job.json
+    acceptance: str                 # exact | lantern | ... (as the engine's settings say)
+    model: dict                     # the model settings from job.json (family name first)
+    settings: dict = field(default_factory=dict)   # the engine's settings from job.json
+    seed: int | None = None
+    batch_size: int | None = None   # from summary.json, when the job wrote one
+    baseline: "Run | None" = None   # the non-speculative run of the same prompts it is compared with
+
+    @property
+    def relaxed(self) -> bool:
+        return self.acceptance not in ("exact", "")
+
+    def glob(self, table: str) -> str | None:
+        """DuckDB glob of a table's parts, or None when the run has none (e.g. no errors/)."""
+        d = self.path / table
+        return str(d / "*.parquet") if d.is_dir() and any(d.glob("*.parquet")) else None
+
+
+def is_run(path: Path) -> bool:
+    return (path / "job.json").is_file() and (path / "images").is_dir()
+
+
+def find_runs(paths: list[str | Path]) -> list[Path]:
+    """Each path is a run folder, or a folder whose direct subfolders include runs (a sweep)."""
+    found = []
+    for p in map(Path, paths):
+        if not p.is_dir():
+            raise ConfigError(f"run_dirs: {p} is not a folder; give run folders (out_dir of a generate job) "
+                              f"or a folder of them")
+        subs = [p] if is_run(p) else sorted(q for q in p.iterdir() if q.is_dir() and is_run(q))
+        if not subs:
+            raise ConfigError(f"run_dirs: {p} holds no run (a run folder has images/ and job.json, as "
+                              f"`python -m workflows.generate out_dir=...` writes them)")
+        found += [q for q in subs if q.resolve() not in {f.resolve() for f in found}]
+    return found
+
+
+def non_default_settings(r: Run) -> dict:
+    """The run's engine settings that differ from its engine's defaults (all of them when this checkout
+    does not know the engine); sampling fields left null (the family's default) are dropped."""
+    import dataclasses
+    from decoding.engines import ENGINES
+    flat = lambda d, pre="": {k2: v2 for k, v in d.items()  # noqa: E731
+                              for k2, v2 in (flat(v, f"{pre}{k}.") if isinstance(v, dict) else {f"{pre}{k}": v}).items()}
+    mine = {k: v for k, v in flat(r.settings).items() if k != "name" and v is not None}
+    engine = ENGINES.get(r.engine)
+    if engine is None:
+        return mine
+    default = flat(dataclasses.asdict(engine.Config()))
+    return {k: v for k, v in mine.items() if k not in default or default[k] != v}
+
+
+def _labels(paths: list[Path]) -> list[str]:
+    labels = [p.name for p in paths]
+    if len(set(labels)) < len(labels):
+        labels = [f"{p.parent.name}/{p.name}" for p in paths]
+    if len(set(labels)) < len(labels):
+        labels = [str(p) for p in paths]
+    return labels
+
+
+def load_runs(paths: list[Path], baselines: list[str]) -> list[Run]:
+    """Runs with their metadata; baselines (engine names such as vanilla) first, then in the given order."""
+    runs = []
+    for p, label in zip(paths, _labels(paths)):
+        job = json.loads((p / "job.json").read_text())
+        summary = json.loads((p / "summary.json").read_text()) if (p / "summary.json").is_file() else {}
+        engine = job.get("engine", {})
+        runs.append(Run(p, label, engine.get("name", "?"), engine.get("acceptance", "exact"), job.get("model", {}),
+                        engine, job.get("seed"), summary.get("batch_size")))
+    runs.sort(key=lambda r: r.engine not in baselines)
+    return runs
+
+
+def pair_baselines(runs: list[Run], matched: dict[tuple[str, str], int], baselines: list[str]) -> None:
+    """Give each run the baseline run (engine in `baselines`, same model family) that shares the most
+    (prompt_id, seed) pairs with it; matched[(run label, baseline label)] counts them."""
+    for r in runs:
+        if r.engine in baselines:
+            continue
+        cands = [b for b in runs if b is not r and b.engine in baselines and b.model.get("name") == r.model.get("name")
+                 and matched.get((r.label, b.label), 0) > 0]
+        r.baseline = max(cands, key=lambda b: matched[(r.label, b.label)], default=None)
