@@ -6,7 +6,6 @@ randomly initialised T5; class-id prompts; the drafter stage for a LlamaGen targ
 from __future__ import annotations
 
 import json
-import pickle
 import subprocess
 import sys
 from dataclasses import replace

@@ -19,6 +19,7 @@ from collections import Counter
 
 import torch
 
+from decoding.llamagen.config import VQ_PRESETS
 from decoding.models.gpt import GPT_PRESETS, find_multiple
 
 # Buffers some checkpoints carry that are derived, not learned: rebuilt from the arguments (RoPE tables,
@@ -126,7 +127,6 @@ def describe(sd: dict) -> dict:
         ch = sd["encoder.conv_in.weight"].shape[0]
         ch_mult = [sd[f"encoder.conv_blocks.{i}.res.0.conv2.weight"].shape[0] // ch for i in range(levels)]
         size, edim = sd["quantize.embedding.weight"].shape
-        from decoding.llamagen.config import VQ_PRESETS
         out.update(codebook_size=size, codebook_embed_dim=edim, ch=ch, ch_mult=ch_mult,
                    z_channels=sd["encoder.conv_out.weight"].shape[0],
                    num_res_blocks=_layers(sd, r"encoder\.conv_blocks\.0\.res\.(\d+)\."), downsample=2 ** (levels - 1),
