@@ -97,9 +97,8 @@ class Engine:
         self.L, self.N, self.G = a.cls_token_num, a.block_size, a.grid_size
         self.device = self.gpt.rope.device
         if self.uses_drafter and bundle.drafter is None:
-            raise ValueError(f"engine {self.name!r} needs a drafter, and model {bundle.name!r} has none: train one "
-                             f"(python -m workflows.train stages=[drafter] model={bundle.name}) "
-                             f"or use a drafter-free engine such as engine=vanilla")
+            raise ValueError(f"engine {self.name!r} needs a drafter, and model {bundle.name!r} has none: "
+                             f"train one (python -m workflows.train stages=[drafter]) or use engine=vanilla")
 
     @property
     def acceptance(self) -> str:

@@ -123,9 +123,9 @@ class LanternDrafter(Drafter):
         super().__init__(a)
         self.register_buffer("cond_token", cond_token.detach().float().clone(), persistent=False)
 
-    def forward(self, emb, feat, pos, mask, slots=None):
+    def forward(self, emb, feat, pos, mask, *args, **kw):   # the rest (cache slots, ...) as Drafter takes them
         emb = torch.where((pos < self.args.cls_token_num)[..., None], self.cond_token.to(emb.dtype), emb)
-        return super().forward(emb, feat, pos, mask, slots)
+        return super().forward(emb, feat, pos, mask, *args, **kw)
 
 
 def _drafter_files(path: Path) -> tuple[Path, dict]:
