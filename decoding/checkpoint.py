@@ -88,8 +88,10 @@ class Checkpoint:
 
 
 def _first_line(e: BaseException) -> str:
+    """The exception's first sentence (torch's zip errors go on for a paragraph)."""
     text = str(e).strip()
-    return f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"
+    text = text.splitlines()[0] if text else ""
+    return f"{type(e).__name__}: {text.split('. ')[0].rstrip('.')}"
 
 
 def is_state_dict(obj) -> bool:

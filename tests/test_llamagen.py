@@ -234,6 +234,26 @@ def test_the_job_reports_a_bad_checkpoint_in_one_line(c2i_files, tmp_path):
     assert len(lines) == 1 and lines[0].startswith("error: model.gpt_ckpt=") and "not a readable checkpoint" in lines[0]
 
 
+def test_the_job_refuses_prompts_the_model_cannot_take_before_any_actor_starts(c2i_files):
+    """Text prompts for a class-conditional model (a caption file with model=llamagen_c2i): one line from
+    the driver's validate(), not a traceback per prompt from the actors."""
+    from hydra import compose, initialize_config_dir
+    from workflows.config import ConfigError, register, to_object
+    from workflows.generate import validate
+    register()
+    f = c2i_files[1]
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        cfg = compose("generate", overrides=["model=llamagen_c2i", f"model.gpt_ckpt={f['gpt']}", f"model.vq_ckpt={f['vq']}",
+                                             "model.dim=64", "model.n_layer=2", "model.n_head=4", "model.codebook_size=128",
+                                             "model.vq_ch=32", "model.vq_z_channels=32", "model.vq_num_res_blocks=1",
+                                             "model.image_size=64", "model.num_classes=10"])
+    c = to_object(cfg)
+    validate(c, ["3", 7])
+    with pytest.raises(ConfigError, match=r"prompt 'a red cat' is not a class id: .* integers 0..9") as e:
+        validate(c, ["3", "a red cat"])
+    one_line(e)
+
+
 # -- presets and the inspector ---------------------------------------------------------------------------
 @pytest.mark.parametrize("preset, heads", [("GPT-B", 12), ("GPT-L", 16), ("GPT-XL", 20), ("GPT-XXL", 24), ("GPT-3B", 32)])
 def test_presets_are_recognised_from_shapes_alone(preset, heads):

@@ -101,7 +101,8 @@ def report(info: dict) -> str:
         lines.append(f"  dims: dim {info['dim']}, {info['n_layer']} layers, vocab {info['vocab_size']}, FFN {info['ffn_hidden']}, {cond}")
         lines.append(f"  preset: {info['preset']} ({info['n_head']} heads)" if info["preset"] else
                      "  preset: none matches (dim, layers): give model.dim, model.n_layer and model.n_head")
-        lines.append("  image size: not stored in the weights (LlamaGen names it in the file: c2i_L_384.pt)")
+        example = "c2i_L_384.pt" if k == "gpt_c2i" else "t2i_XL_stage2_512.pt"
+        lines.append(f"  image size: not stored in the weights (LlamaGen names it in the file: {example})")
     elif k == "vq":
         lines.append(f"  dims: codebook {info['codebook_size']} x {info['codebook_embed_dim']}, ch {info['ch']}, "
                      f"ch_mult {info['ch_mult']}, z_channels {info['z_channels']}, {info['num_res_blocks']} res blocks, "

@@ -35,15 +35,22 @@ class LlamaGenBundle(ModelBundle):
         super().__init__(name, vq, gpt, None, drafter, device, dtype, sampling)
         self.t5 = t5
 
-    def conditions(self, prompts) -> Conditions:
+    def check_prompts(self, prompts) -> list:
+        """The prompts as this model takes them (class ids for c2i, text for t2i), or one ValueError line
+        naming the first that is not. The job calls it on every prompt before any actor starts."""
         a = self.gpt.args
         if a.model_type == "c2i":
-            labels = torch.tensor(class_ids(prompts, a.num_classes), dtype=torch.long, device=self.device)
-            return Conditions(labels, None, [])
+            return class_ids(prompts, a.num_classes)
         for p in prompts:
             if not isinstance(p, str) or not p.strip():
-                raise ValueError(f"prompt {p!r} is empty or not text")
-        feats, mask = self.t5(list(prompts))
+                raise ValueError(f"prompt {p!r} is empty or not text: this text-conditional model takes captions")
+        return list(prompts)
+
+    def conditions(self, prompts) -> Conditions:
+        prompts = self.check_prompts(prompts)
+        if self.gpt.args.model_type == "c2i":
+            return Conditions(torch.tensor(prompts, dtype=torch.long, device=self.device), None, [])
+        feats, mask = self.t5(prompts)
         return Conditions(feats.to(self.dtype), mask, [])
 
 
