@@ -35,7 +35,8 @@ class Family:
     scorer: Optional[Callable[[ModelConfig], object]] = None   # prompt adherence, where the family has one
 
 
-_MODULES = {"shapes": "decoding.shapes.family"}
+_MODULES = {"shapes": "decoding.shapes.family", "llamagen_c2i": "decoding.llamagen.c2i",
+            "llamagen_t2i": "decoding.llamagen.t2i"}
 
 
 def families() -> dict[str, Family]:

@@ -12,7 +12,7 @@ import functools
 import os
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, List, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
@@ -24,12 +24,14 @@ class ConfigError(ValueError):
 
 @dataclass
 class DataConfig:
-    name: str = "shapes"                  # shapes (built-in) | file
-    path: Optional[str] = None            # Parquet, CSV, TSV, JSONL or a JSON list of strings
-    prompt_column: Optional[str] = None   # auto: prompt, Prompt, caption, text
+    name: str = "shapes"                  # shapes (built-in) | file | imagenet_classes (class ids, c2i models)
+    path: Optional[str] = None            # Parquet, CSV, TSV, JSONL or a JSON list of strings (or class ids)
+    prompt_column: Optional[str] = None   # auto: prompt, Prompt, caption, text, class_id
     id_column: Optional[str] = None       # absent: ids from content + position
     limit: Optional[int] = None
     builtin_count: int = 96
+    classes: Optional[List[int]] = None   # imagenet_classes: the class ids (null = all 1000)
+    per_class: int = 1                    # imagenet_classes: images per class
 
 
 @dataclass

@@ -60,8 +60,9 @@ def check_out_dir(out_dir: Path, fp: dict) -> None:
                           f"use a new out_dir or the same settings")
 
 
-def validate(c: GenerateConfig) -> None:
-    """Build the model and engine once in the driver: a bad setting fails before any actor starts."""
+def validate(c: GenerateConfig, prompts: list = ()) -> None:
+    """Build the model and engine once in the driver: a bad setting, or prompts the model cannot take
+    (text for a class-conditional model), fail before any actor starts."""
     from decoding.engines import build_engine
     from decoding.registry import load_bundle
     cl = c.cluster
@@ -71,7 +72,10 @@ def validate(c: GenerateConfig) -> None:
     if cl.num_cpus_per_actor <= 0 and cl.num_gpus_per_actor <= 0:
         raise ConfigError("cluster.num_cpus_per_actor and cluster.num_gpus_per_actor are both 0: give actors a slot")
     try:
-        build_engine(load_bundle(dataclasses.replace(c.model, device="cpu")), c.engine)
+        bundle = load_bundle(dataclasses.replace(c.model, device="cpu"))
+        build_engine(bundle, c.engine)
+        if hasattr(bundle, "check_prompts"):
+            bundle.check_prompts(prompts)
     except (FileNotFoundError, ValueError) as e:
         raise ConfigError(str(e)) from None
 
@@ -148,7 +152,7 @@ def run(cfg: DictConfig) -> dict:
 
     c: GenerateConfig = to_object(cfg)
     items = read_prompts(c.data)
-    validate(c)
+    validate(c, [it["prompt"] for it in items])
     out_dir = Path(c.out_dir)
     check_out_dir(out_dir, fingerprint(c))
     parts = committed(out_dir)

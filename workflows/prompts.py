@@ -1,6 +1,8 @@
 """Prompt readers: built-in shapes, Parquet, CSV, TSV (PartiPrompts), JSONL, a JSON list of strings (the
-COCO caption list) or of objects. Text is kept exactly as written; every problem with the file or its
-columns is a ConfigError naming the setting to change."""
+COCO caption list) or of objects, and class ids for class-conditional models (a `class_id` column, or
+`data=imagenet_classes`). Text is kept exactly as written (an integer prompt becomes its digits, which
+a c2i model reads back as the class id); every problem with the file or its columns is a ConfigError
+naming the setting to change."""
 from __future__ import annotations
 
 import csv
@@ -13,7 +15,8 @@ import pyarrow.parquet as pq
 from decoding.shapes.world import builtin_prompts
 from workflows.config import ConfigError, DataConfig
 
-PROMPT_COLUMNS = ("prompt", "Prompt", "caption", "text")
+PROMPT_COLUMNS = ("prompt", "Prompt", "caption", "text", "class_id")
+IMAGENET_CLASSES = 1000
 FORMATS = (".parquet", ".csv", ".tsv", ".jsonl", ".json")
 
 
@@ -38,7 +41,7 @@ def _read_rows(path: Path) -> list[dict]:
     data = json.loads(path.read_text(encoding="utf-8"))
     if not isinstance(data, list):
         raise ValueError("a .json prompt file must hold a list of strings or of objects")
-    return [{"prompt": x} if isinstance(x, str) else x for x in data]
+    return [x if isinstance(x, dict) else {"prompt": x} for x in data]
 
 
 def read_prompts(cfg: DataConfig) -> list[dict]:
@@ -51,9 +54,29 @@ def read_prompts(cfg: DataConfig) -> list[dict]:
         rows = builtin_prompts(cfg.builtin_count)
     elif cfg.name == "file":
         rows = _read_file(cfg)
+    elif cfg.name == "imagenet_classes":
+        rows = class_prompts(cfg)
     else:
-        raise ConfigError(f"data.name={cfg.name!r}: use 'shapes' (built-in) or 'file' with data.path=...")
+        raise ConfigError(f"data.name={cfg.name!r}: use 'shapes' (built-in), 'file' with data.path=..., "
+                          f"or 'imagenet_classes' (class ids)")
     return rows[: cfg.limit] if cfg.limit is not None else rows
+
+
+def class_prompts(cfg: DataConfig) -> list[dict]:
+    """`per_class` prompts for each class id (null: the 1000 ImageNet classes), class by class."""
+    classes = list(range(IMAGENET_CLASSES)) if cfg.classes is None else list(cfg.classes)
+    if cfg.per_class < 1:
+        raise ConfigError(f"data.per_class={cfg.per_class}: must be >= 1")
+    bad = [c for c in classes if isinstance(c, bool) or not isinstance(c, int) or c < 0]
+    if bad or len(set(classes)) != len(classes):
+        raise ConfigError(f"data.classes: must be distinct class ids >= 0 (got {bad[0] if bad else 'duplicates'})")
+    return [{"prompt_id": f"class{c:04d}-{k:03d}", "prompt": str(c), "split": None}
+            for c in classes for k in range(cfg.per_class)]
+
+
+def _prompt(value):
+    """A prompt as the job carries it: text as written, an integer (a class id) as its digits."""
+    return str(value) if isinstance(value, int) and not isinstance(value, bool) else value
 
 
 def _read_file(cfg: DataConfig) -> list[dict]:
@@ -80,7 +103,7 @@ def _read_file(cfg: DataConfig) -> list[dict]:
         raise ConfigError(f"data.id_column={cfg.id_column!r}: no such column in {cfg.path}; columns are {columns}")
     out = []
     for i, r in enumerate(rows):
-        text = r.get(prompt_col)
+        text = _prompt(r.get(prompt_col))
         pid = str(r[cfg.id_column]) if cfg.id_column else derived_id(i, text)
         split = r.get("split")
         out.append({"prompt_id": pid, "prompt": text, "split": None if split is None else str(split)})

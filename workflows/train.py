@@ -1,4 +1,5 @@
-"""Train the built-in shapes models: `python -m workflows.train [stages=[vq,gpt,scorer,drafter]]`.
+"""Train the built-in shapes models: `python -m workflows.train [stages=[vq,gpt,scorer,drafter]]`, or an
+EAGLE drafter for another target: `python -m workflows.train stages=[drafter] model=llamagen_c2i ...`.
 
 Each stage reads the outputs of the stages before it from out_dir and writes one safetensors file;
 a report with every stage's final metrics goes to out_dir/train_report.json.
@@ -16,8 +17,10 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from decoding.shapes.family import WEIGHTS
+from workflows.config import ConfigError, cli, one_line_errors, register, to_object
 
 log = logging.getLogger("arspec.train")
+register()
 
 
 def stage_fns():
@@ -33,9 +36,9 @@ def stage_fns():
     return fns
 
 
-def training_card(report: dict, out_dir: Path) -> str:
+def training_card(report: dict, out_dir: Path, title: str = "Shapes weights") -> str:
     """TRAINING.md beside the weights: how each file was made and what it reached."""
-    lines = ["# Shapes weights", "", "Trained on CPU by `python -m workflows.train` (conf/train.yaml); "
+    lines = [f"# {title}", "", "Trained by `python -m workflows.train` (conf/train.yaml); "
              "this file is rewritten by every training run from train_report.json.", "",
              "| file | bytes |", "|---|---|"]
     files = sorted(out_dir.glob("*.safetensors"))
@@ -53,32 +56,42 @@ def training_card(report: dict, out_dir: Path) -> str:
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="train")
+@one_line_errors
 def main(cfg: DictConfig) -> None:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    out_dir = Path(cfg.out_dir) if cfg.out_dir else WEIGHTS
+    model = to_object(cfg.model)
+    shapes = model.name == "shapes"
+    out_dir = Path(cfg.out_dir) if cfg.out_dir else WEIGHTS if shapes else Path("drafters") / model.name
     fns = stage_fns()
     unknown = [s for s in cfg.stages if s not in fns]
     if unknown:
-        raise SystemExit(f"stages={list(cfg.stages)}: unknown {unknown}; choose from {list(fns)}")
+        raise ConfigError(f"stages={list(cfg.stages)}: unknown {unknown}; choose from {list(fns)}")
+    if not shapes and list(cfg.stages) != ["drafter"]:
+        raise ConfigError(f"stages={list(cfg.stages)}: model={model.name} trains only a drafter for its target "
+                          f"(stages=[drafter]); the other stages build the shapes models")
+    out_dir.mkdir(parents=True, exist_ok=True)
     report_path = out_dir / "train_report.json"
     report = json.loads(report_path.read_text()) if report_path.exists() else {}
     previous = dict(report)
     for name in cfg.stages:
         t0 = time.time()
         log.info(f"stage {name}: starting")
-        metrics = fns[name](cfg[name], out_dir)
+        metrics = fns[name](cfg[name], out_dir, model=model) if name == "drafter" else fns[name](cfg[name], out_dir)
         report[name] = {"metrics": metrics, "config": OmegaConf.to_container(cfg[name], resolve=True),
                         "command": "python -m workflows.train " + " ".join(sys.argv[1:]),
                         "torch": torch.__version__, "threads": torch.get_num_threads(),
                         "minutes": round((time.time() - t0) / 60, 1)}
+        if not shapes:
+            report[name]["model"] = OmegaConf.to_container(cfg.model, resolve=True)
         if cfg[name].get("resume") and name in previous:  # keep the history of the weights it continued
             old = dict(previous[name])
             report[name]["resumed_from"] = [*old.pop("resumed_from", []), old]
         report_path.write_text(json.dumps(report, indent=2))
-        (out_dir / "TRAINING.md").write_text(training_card(report, out_dir))
+        (out_dir / "TRAINING.md").write_text(training_card(report, out_dir, "Shapes weights" if shapes else
+                                                           f"Drafter for {model.name}"))
         log.info(f"stage {name}: done in {(time.time() - t0) / 60:.1f} min -> {out_dir}")
 
 
 if __name__ == "__main__":
-    main()
+    cli(main)

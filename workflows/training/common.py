@@ -1,5 +1,5 @@
-"""The training loop every stage shares: AdamW, warmup + cosine LR, bf16 autocast where the CPU has
-fast bf16 matmuls (AMX or AVX512-BF16; fp32 master weights), progress lines with ETA."""
+"""The training loop every stage shares: AdamW, warmup + cosine LR, bf16 autocast on a GPU or where the CPU
+has fast bf16 matmuls (AMX or AVX512-BF16; fp32 master weights), progress lines with ETA."""
 from __future__ import annotations
 
 import logging
@@ -18,17 +18,17 @@ log = logging.getLogger("arspec.train")
 
 def run_steps(name: str, params, step_fn: Callable[[int], tuple[torch.Tensor, dict]], steps: int,
               lr: float, weight_decay: float = 0.0, warmup: int = 50, betas=(0.9, 0.95),
-              log_every: int = 50, grad_clip: float = 1.0) -> dict:
+              log_every: int = 50, grad_clip: float = 1.0, device: str = "cpu") -> dict:
     params = [p for p in params if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr, betas=betas, weight_decay=weight_decay)
-    dtype = pick_dtype("auto", torch.device("cpu"))
+    dtype = pick_dtype("auto", torch.device(device))
     log.info(f"[{name}] {sum(p.numel() for p in params) / 1e6:.2f}M trainable parameters, autocast {dtype}")
     t0, ema = time.time(), {}
     for step in range(steps):
         scale = min(1.0, (step + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * step / steps))
         for g in opt.param_groups:
             g["lr"] = lr * max(scale, 0.02)
-        with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
+        with torch.autocast(device, dtype=dtype, enabled=dtype != torch.float32):
             loss, metrics = step_fn(step)
         opt.zero_grad(set_to_none=True)
         loss.backward()

@@ -1,0 +1,141 @@
+"""What a checkpoint is: `python -m workflows.inspect_checkpoint PATH [PATH ...] [--json]`.
+
+The first thing to run when a load fails. For each file: its format and container (which entry holds
+the weights), what it is (LlamaGen GPT c2i/t2i, VQ tokenizer, EAGLE drafter in our layout or the public
+EAGLE/LANTERN one, or one of arspec's own files), its dimensions and the preset they match, the
+training arguments it carries, and the settings that load it. Reads with weights_only=True (memory-
+mapped), like the loaders; nothing is executed.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from decoding.checkpoint import read_checkpoint
+from decoding.llamagen.layouts import DERIVED, KINDS, LAYOUTS, describe, drop_derived
+
+ARGS_SHOWN = ("gpt_model", "gpt_type", "image_size", "downsample_size", "num_classes", "cls_token_num", "vq_model",
+              "codebook_size", "codebook_embed_dim", "global_batch_size", "epochs", "lr")
+
+
+def _file(path: Path) -> Path:
+    """A drafter directory (EAGLE/LANTERN: config.json + weights) stands for its weights file."""
+    if path.is_dir():
+        for name in ("model.safetensors", "pytorch_model.bin", "drafter.safetensors"):
+            if (path / name).exists():
+                return path / name
+    return path
+
+
+def _metadata(path: Path) -> dict:
+    if path.suffix != ".safetensors":
+        return {}
+    from safetensors import safe_open
+    with safe_open(str(path), framework="pt") as f:
+        return f.metadata() or {}
+
+
+def settings(info: dict, path: str) -> str:
+    """The overrides that load this file."""
+    if info.get("arspec_kind") in ("gpt", "vq", "text", "scorer"):   # a shapes-model file
+        return f"model=shapes model.weights_dir={Path(info['path']).parent}"
+    kind = info["kind"]
+    key = "" if info["container"] in ("model", "raw") else f" model.gpt_weights_key={info['container']}"
+    if kind in ("gpt_c2i", "gpt_t2i"):
+        family = "llamagen_c2i" if kind == "gpt_c2i" else "llamagen_t2i"
+        dims = f"model.gpt_model={info['preset']}" if info["preset"] else \
+            f"model.dim={info['dim']} model.n_layer={info['n_layer']} model.n_head=<heads>"
+        size = info.get("args", {}).get("image_size") or "<the size it was trained at: 256|384|512>"
+        extra = [f"model.codebook_size={info['vocab_size']}"] if info["vocab_size"] != 16384 else []
+        if kind == "gpt_c2i" and info["num_classes"] != 1000:
+            extra.append(f"model.num_classes={info['num_classes']}")
+        if kind == "gpt_t2i" and info["caption_dim"] != 2048:
+            extra.append(f"model.caption_dim={info['caption_dim']}")
+        return " ".join([f"model={family}", f"model.gpt_ckpt={path}", dims, f"model.image_size={size}", *extra]) + key
+    if kind == "vq":
+        vq = f"model.vq_model={info['preset']}" if info["preset"] else f"model.vq_ch_mult=[{','.join(map(str, info['ch_mult']))}]"
+        extra = [f"model.{k}={info[k]}" for k in ("codebook_size", "codebook_embed_dim")
+                 if info[k] != {"codebook_size": 16384, "codebook_embed_dim": 8}[k]]
+        extra += [f"model.vq_{k}={info[k]}" for k, d in (("ch", 128), ("z_channels", 256), ("num_res_blocks", 2))
+                  if info[k] != d]
+        return " ".join([f"model.vq_ckpt={path}", vq, *extra]) + key
+    if kind == "drafter":
+        return f"model.drafter_ckpt={path}"
+    return ""
+
+
+def inspect(path: str) -> dict:
+    p = _file(Path(path).expanduser())
+    meta = _metadata(p) if p.exists() else {}
+    ck = read_checkpoint(p, setting="checkpoint")
+    info = {"path": str(p), "bytes": p.stat().st_size, "format": ck.format, "container": ck.container,
+            "entries": ck.entries, "derived_keys": sorted(k for k in ck.state_dict if DERIVED.search(k))}
+    if "kind" in meta:                                   # one of arspec's own files
+        info["arspec_kind"] = meta["kind"]
+        info["arspec_args"] = json.loads(meta["args"]) if "args" in meta else None
+    info.update(describe(drop_derived(ck.state_dict)))
+    saved = ck.extra.get("args")
+    if saved is not None:
+        info["args"] = {k: getattr(saved, k) for k in ARGS_SHOWN if hasattr(saved, k)}
+    info["settings"] = settings(info, path)
+    if info["kind"] == "unknown":
+        info["first_keys"] = sorted(ck.state_dict)[:12]
+    return info
+
+
+def report(info: dict) -> str:
+    size = info["bytes"] / 2**20
+    where = "a raw state dict" if info["container"] == "raw" else f"entries {info['entries']}; weights under {info['container']!r}"
+    lines = [f"{info['path']}  ({info['format']}, {size:,.1f} MiB)", f"  container: {where}"]
+    if "arspec_kind" in info:
+        lines.append(f"  arspec file: kind {info['arspec_kind']!r}, args {info['arspec_args']}")
+    lines.append(f"  kind: {KINDS[info['kind']]}" + (f", {LAYOUTS[info['layout']]}" if info["layout"] else ""))
+    lines.append(f"  weights: {info['parameters'] / 1e6:,.2f}M parameters ({info['dtype']})"
+                 + (f"; derived buffers ignored: {info['derived_keys']}" if info["derived_keys"] else ""))
+    k = info["kind"]
+    if k in ("gpt_c2i", "gpt_t2i"):
+        cond = f"{info['num_classes']} classes (+ the null class)" if k == "gpt_c2i" else \
+            f"caption dim {info['caption_dim']}, {info['cls_token_num']} caption tokens"
+        lines.append(f"  dims: dim {info['dim']}, {info['n_layer']} layers, vocab {info['vocab_size']}, FFN {info['ffn_hidden']}, {cond}")
+        lines.append(f"  preset: {info['preset']} ({info['n_head']} heads)" if info["preset"] else
+                     "  preset: none matches (dim, layers): give model.dim, model.n_layer and model.n_head")
+        example = "c2i_L_384.pt" if k == "gpt_c2i" else "t2i_XL_stage2_512.pt"
+        lines.append(f"  image size: not stored in the weights (LlamaGen names it in the file: {example})")
+    elif k == "vq":
+        lines.append(f"  dims: codebook {info['codebook_size']} x {info['codebook_embed_dim']}, ch {info['ch']}, "
+                     f"ch_mult {info['ch_mult']}, z_channels {info['z_channels']}, {info['num_res_blocks']} res blocks, "
+                     f"downsample {info['downsample']}")
+        lines.append(f"  preset: {info['preset'] or 'none (give model.vq_ch_mult)'}")
+    elif k == "drafter":
+        lines.append(f"  dims: dim {info['dim']}, {info['n_layer']} layer(s), fc bias {info['fc_bias']}"
+                     + (f", carries a copy of its target's embeddings (vocab {info['vocab_size']})" if info["vocab_size"] else ""))
+    else:
+        lines.append(f"  first keys: {info['first_keys']}")
+    if info.get("args"):
+        lines.append(f"  saved training args: {info['args']}")
+    if info["settings"]:
+        lines.append(f"  load it with: {info['settings']}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m workflows.inspect_checkpoint", description=__doc__.split("\n")[0])
+    ap.add_argument("paths", nargs="+")
+    ap.add_argument("--json", action="store_true", help="print JSON instead of text")
+    opts = ap.parse_args(argv)
+    status = 0
+    for path in opts.paths:
+        try:
+            info = inspect(path)
+        except (FileNotFoundError, ValueError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            status = 2
+            continue
+        print(json.dumps(info, default=str) if opts.json else report(info))
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())
