@@ -25,7 +25,6 @@ from decoding.models.drafter import Drafter, DrafterArgs
 from decoding.models.gpt import GPT, GPTArgs, causal_mask
 from decoding.models.vq import VQArgs, VQModel
 from decoding.registry import load_bundle
-from decoding.sampling import Streams
 from tests.conftest import REPO
 from tests.llamagen_layouts import (drafter_weights, gpt_weights, save, small_c2i, small_t2i, to_hf, vq_weights)
 
@@ -157,7 +156,7 @@ def test_greedy_decoding_reproduces_llamagen_token_for_token(tmp_path, family):
     for scale, expected in fx["runs"].items():
         engine = build_engine(bundle, engine_config("vanilla", sampling={"top_k": 1, "cfg_scale": float(scale)}))
         with torch.inference_mode():   # the tokens only (generate would also decode the images)
-            got = engine._generate(cond, Streams(range(len(expected)), "cpu")).tokens.tolist()
+            got = engine.tokens(cond, range(len(expected))).tokens.tolist()
         assert got == expected, f"cfg {scale}"
 
 
@@ -392,10 +391,10 @@ def test_compiled_forwards_trace_whole_and_give_the_same_tokens(c2i_files):
     engine = build_engine(bundle, engine_config("vanilla"))
     cond = bundle.conditions([2, 5])
     with torch.inference_mode():
-        ref = engine._generate(cond, Streams([1, 2], "cpu")).tokens
+        ref = engine.tokens(cond, [1, 2]).tokens
         compile_forwards(bundle, backend="eager", fullgraph=True)
         assert "forward_embeds" in vars(bundle.gpt)                 # the instance now calls the compiled one
-        assert torch.equal(engine._generate(cond, Streams([1, 2], "cpu")).tokens, ref)
+        assert torch.equal(engine.tokens(cond, [1, 2]).tokens, ref)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1
     torch._dynamo.reset()
 

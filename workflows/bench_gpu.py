@@ -95,20 +95,19 @@ def cost_curve(bundle, rows: int, tokens: list[int], reps: int) -> dict:
 
 def run_engines(bundle, engines: dict, prompts: list, batch: int, seed: int) -> dict:
     """Every engine on the same prompts and seeds, interleaved batch by batch. Per engine: τ, target and
-    drafter forwards, engine ms per step. Times the engine's decoding loop alone (`_generate`, device
+    drafter forwards, engine ms per step. Times the engine's decoding loop alone (`Engine.tokens`, device
     synchronised), not the image decode the job adds to every engine alike."""
-    from decoding.sampling import Streams
     rows = {n: [] for n in engines}
     names = list(engines)
     batches = [prompts[i:i + batch] for i in range(0, len(prompts), batch)]
     for bi, chunk in enumerate(batches):
         for n in names[bi % len(names):] + names[:bi % len(names)]:
             cond = bundle.conditions(chunk)
-            streams = Streams([prompt_seed(seed, f"{bi}-{j}-{p}") for j, p in enumerate(chunk)], bundle.device)
+            seeds = [prompt_seed(seed, f"{bi}-{j}-{p}") for j, p in enumerate(chunk)]
             with torch.inference_mode():
                 sync(bundle.device)
                 t0 = time.perf_counter()
-                log_ = engines[n]._generate(cond, streams)
+                log_ = engines[n].tokens(cond, seeds)
                 sync(bundle.device)
                 engine_s = time.perf_counter() - t0
             tf, df = log_.target_forwards.tolist(), log_.draft_forwards.tolist()

@@ -231,6 +231,11 @@ class Engine:
                     except Exception as e:
                         yield Outcome(r.key, error=f"{type(e).__name__}: {e}")
 
+    @torch.inference_mode()
+    def tokens(self, cond: Conditions, seeds) -> TokenLog:
+        """One batch decoded to tokens only, no images (tests, device benchmarks): the TokenLog."""
+        return self._generate(cond, Streams(list(seeds), self.device))
+
     def _generate(self, cond: Conditions, streams: Streams) -> TokenLog:
         raise NotImplementedError
 
@@ -243,6 +248,15 @@ class SlotEngine(Engine):
     `_admit(state, rows, cond, seeds)` (prefill new prompts into rows, commit their first token) and
     `_step(state)` (one decoding step of every unfinished row; rows are told apart by state.log.n).
     """
+
+    @torch.inference_mode()
+    def tokens(self, cond: Conditions, seeds) -> TokenLog:
+        seeds = list(seeds)
+        state = self._start(len(seeds))
+        self._admit(state, torch.arange(len(seeds), device=self.device), cond, seeds)
+        while bool((state.log.n < self.N).any()):
+            self._step(state)
+        return state.log
 
     def generate(self, cond: Conditions, seeds) -> list[ImageResult]:
         """One batch: every prompt in its own row; raises if a prompt fails."""
