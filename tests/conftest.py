@@ -8,7 +8,9 @@ import pytest
 import torch
 
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# two threads (this machine's cores) unless OMP_NUM_THREADS says otherwise: on a busy host a second
+# thread that is not scheduled stalls every op of the first
+torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or max(1, min(2, os.cpu_count() or 1))))
 
 from decoding.bundle import Conditions, ModelBundle  # noqa: E402
 from decoding.models.drafter import Drafter, DrafterArgs  # noqa: E402
