@@ -35,7 +35,7 @@ class Family:
     scorer: Optional[Callable[[ModelConfig], object]] = None   # prompt adherence, where the family has one
 
 
-_MODULES = {"shapes": "decoding.shapes.family"}
+_MODULES = {"shapes": "decoding.shapes.family", "mar": "decoding.mar.family"}
 
 
 def families() -> dict[str, Family]:

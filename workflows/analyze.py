@@ -55,10 +55,11 @@ def cell_stats(images, tokens, grid: int) -> dict:
     out = {}
     by_prompt = dict(tuple(tokens.groupby("prompt_id")))
     for pid, img in zip(images.prompt_id, images.image):
-        t = by_prompt[pid].sort_values("token_index")
-        out[pid] = {"depth": t.tree_depth.to_numpy().reshape(grid, grid),
-                    "accepted": t.accepted.to_numpy().reshape(grid, grid),
-                    "flat": flat_cells(decode(img), grid)}
+        t = by_prompt[pid]
+        cell = (t.row * grid + t.col).to_numpy()   # placed by cell: MAR generates in a random order
+        grids = {k: np.zeros(grid * grid, dtype=t[c].dtype) for k, c in (("depth", "tree_depth"), ("accepted", "accepted"))}
+        grids["depth"][cell], grids["accepted"][cell] = t.tree_depth.to_numpy(), t.accepted.to_numpy()
+        out[pid] = {**{k: v.reshape(grid, grid) for k, v in grids.items()}, "flat": flat_cells(decode(img), grid)}
     return out
 
 

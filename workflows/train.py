@@ -1,7 +1,9 @@
-"""Train the built-in shapes models: `python -m workflows.train [stages=[vq,gpt,scorer,drafter]]`.
+"""Train the built-in shapes models: `python -m workflows.train [stages=[vq,gpt,scorer,drafter]]`, and the
+continuous ones: `python -m workflows.train stages=[mar_vae,mar,mar_draft]`.
 
-Each stage reads the outputs of the stages before it from out_dir and writes one safetensors file;
-a report with every stage's final metrics goes to out_dir/train_report.json.
+Each stage reads the outputs of the stages before it from its weights folder and writes one safetensors
+file there; a report with every stage's final metrics goes to train_report.json beside them. The folder is
+out_dir when given, else the stage's family's packaged weights (decoding/shapes/weights, decoding/mar/weights).
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from decoding.mar.family import WEIGHTS as MAR_WEIGHTS
 from decoding.shapes.family import WEIGHTS
 
 log = logging.getLogger("arspec.train")
@@ -24,7 +27,9 @@ def stage_fns():
     from workflows.training.gpt import train_gpt
     from workflows.training.scorer import train_scorer
     from workflows.training.vq import finetune_decoder, train_vq
-    fns = {"vq": train_vq, "vq_decoder": finetune_decoder, "gpt": train_gpt, "scorer": train_scorer}
+    from workflows.training.mar import train_mar, train_vae
+    fns = {"vq": train_vq, "vq_decoder": finetune_decoder, "gpt": train_gpt, "scorer": train_scorer,
+           "mar_vae": train_vae, "mar": train_mar, "mar_draft": lambda c, d: train_mar(c, d, "mar_draft")}
     try:
         from workflows.training.drafter import train_drafter
         fns["drafter"] = train_drafter
@@ -33,9 +38,13 @@ def stage_fns():
     return fns
 
 
-def training_card(report: dict, out_dir: Path) -> str:
+HOMES = {"mar_vae": MAR_WEIGHTS, "mar": MAR_WEIGHTS, "mar_draft": MAR_WEIGHTS}   # the rest: WEIGHTS
+TITLES = {MAR_WEIGHTS: "Continuous shapes weights (KL VAE, MAR target and draft)"}
+
+
+def training_card(report: dict, out_dir: Path, title: str = "Shapes weights") -> str:
     """TRAINING.md beside the weights: how each file was made and what it reached."""
-    lines = ["# Shapes weights", "", "Trained on CPU by `python -m workflows.train` (conf/train.yaml); "
+    lines = [f"# {title}", "", "Trained on CPU by `python -m workflows.train` (conf/train.yaml); "
              "this file is rewritten by every training run from train_report.json.", "",
              "| file | bytes |", "|---|---|"]
     files = sorted(out_dir.glob("*.safetensors"))
@@ -56,15 +65,16 @@ def training_card(report: dict, out_dir: Path) -> str:
 def main(cfg: DictConfig) -> None:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    out_dir = Path(cfg.out_dir) if cfg.out_dir else WEIGHTS
     fns = stage_fns()
     unknown = [s for s in cfg.stages if s not in fns]
     if unknown:
         raise SystemExit(f"stages={list(cfg.stages)}: unknown {unknown}; choose from {list(fns)}")
-    report_path = out_dir / "train_report.json"
-    report = json.loads(report_path.read_text()) if report_path.exists() else {}
-    previous = dict(report)
     for name in cfg.stages:
+        home = HOMES.get(name, WEIGHTS)
+        out_dir = Path(cfg.out_dir) if cfg.out_dir else home
+        report_path = out_dir / "train_report.json"
+        report = json.loads(report_path.read_text()) if report_path.exists() else {}
+        previous = dict(report)
         t0 = time.time()
         log.info(f"stage {name}: starting")
         metrics = fns[name](cfg[name], out_dir)
@@ -76,7 +86,7 @@ def main(cfg: DictConfig) -> None:
             old = dict(previous[name])
             report[name]["resumed_from"] = [*old.pop("resumed_from", []), old]
         report_path.write_text(json.dumps(report, indent=2))
-        (out_dir / "TRAINING.md").write_text(training_card(report, out_dir))
+        (out_dir / "TRAINING.md").write_text(training_card(report, out_dir, TITLES.get(home, "Shapes weights")))
         log.info(f"stage {name}: done in {(time.time() - t0) / 60:.1f} min -> {out_dir}")
 
 
