@@ -40,8 +40,8 @@ def tiny_vae() -> AutoencoderKL:
                                  dec_attn_resolutions=[], scale=0.5)).eval()
 
 
-def bundle(target: MAR, draft: MAR | None, cfg_scale: float = 2.0) -> MarBundle:
-    return MarBundle("tiny", tiny_vae(), target, draft, None, "cpu", "float32",
+def bundle(target: MAR, draft: MAR | None, cfg_scale: float = 2.0, dtype: str = "float32") -> MarBundle:
+    return MarBundle("tiny", tiny_vae(), target, draft, None, "cpu", dtype,
                      SamplingParams(cfg_scale=cfg_scale, temperature=1.0, top_k=0, top_p=1.0))
 
 
@@ -271,3 +271,13 @@ def test_continuous_engines_refuse_discrete_models_and_back(pair, tiny):
         engine_config("cspd", sampling={"top_k": 5})
     with pytest.raises(ValueError, match="engine.lam=0"):
         engine_config("cspd", lam=0)
+
+
+@pytest.mark.parametrize("name", ["mar", "cspd"])
+def test_engines_run_in_bf16(name):
+    """The transformers in bf16 (the CPU default where bf16 matmuls are fast), the head in fp32."""
+    import copy as _copy
+    b = bundle(_copy.deepcopy(tiny_mar(0)), _copy.deepcopy(tiny_mar(1)), dtype="bfloat16")
+    assert b.mar.z_proj.weight.dtype == torch.bfloat16 and b.mar.diffloss.net.input_proj.weight.dtype == torch.float32
+    res = build_engine(b, engine_config(name, num_iter=6)).generate(b.conditions(["1", "2"]), [1, 2])
+    assert np.isfinite(res[0].tokens).all() and res[0].image.shape == (8, 8, 3)

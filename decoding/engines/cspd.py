@@ -116,7 +116,8 @@ class CSpD(ContinuousEngine):
         if self.windows and int(fallbacks):                             # one host read per batch
             log_.warning(f"cspd: the residual sampler failed {self.cfg.max_tries} tries for {int(fallbacks)} of "
                          f"{B * N} tokens; they took the target's own aligned sample (tokens table: fallback)")
-        return log, tokens
+        log.latents = tokens
+        return log
 
     def verify(self, q: list, p, pos: torch.Tensor, streams):
         """q: the window's draft HeadSamples (one per step, [B, n_k, C]), p: the target's [B, m, C] over the

@@ -71,6 +71,7 @@ class TokenLog:
         self.target_forwards = torch.zeros(B, dtype=torch.long, device=device)
         self.draft_forwards = torch.zeros(B, dtype=torch.long, device=device)
         self.phase_s: dict[str, float] = {}
+        self.latents: Optional[torch.Tensor] = None   # continuous engines: [B, N, C] token vectors, raster order
         self._at: dict[tuple, torch.Tensor] = {}
 
     def col(self, name: str) -> torch.Tensor:

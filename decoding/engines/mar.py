@@ -60,7 +60,9 @@ def mar_schedule(N: int, num_iter: int, cfg: float, cfg_schedule: str) -> list[t
 
 
 class ContinuousEngine(Engine):
-    """Base of the engines over a MarBundle: settings, schedule, noise, one target/draft step, the result."""
+    """Base of the engines over a MarBundle: settings, schedule, noise, one target/draft step, the result.
+    Subclasses implement `_generate(cond, streams) -> TokenLog` (the Engine contract) and leave the
+    token vectors [B, N, C] in `log.latents`; `generate` decodes them with the bundle's VAE."""
     Config: ClassVar[type] = MarEngineConfig
 
     def __init__(self, bundle, cfg: MarEngineConfig):
@@ -128,9 +130,9 @@ class ContinuousEngine(Engine):
     def generate(self, cond, seeds) -> list[ImageResult]:
         t0 = time.perf_counter()
         with torch.inference_mode():
-            log, tokens = self._generate(cond, Streams(seeds, self.device))
-            images = self.bundle.decode(tokens)
-        tokens = tokens.float().cpu().numpy()
+            log = self._generate(cond, Streams(seeds, self.device))
+            images = self.bundle.decode(log.latents)
+        tokens = log.latents.float().cpu().numpy()
         records = log.records()
         B = len(seeds)
         wall = (time.perf_counter() - t0) / B
@@ -161,4 +163,5 @@ class Mar(ContinuousEngine):
             log.commit(torch.full((B,), n, device=dev), cell=pos, step=k, accept_len=n)
             done += n
         log.target_forwards[:] = len(self.plan)
-        return log, tokens
+        log.latents = tokens
+        return log

@@ -270,7 +270,7 @@ class DiffLoss(nn.Module):
         k = _sampler_constants(S)
         t = torch.as_tensor(k["t"], device=x_T.device)
         C, n, dtype = self.in_channels, len(x_T), self.net.input_proj.weight.dtype
-        c = self.net.cond_embed(z)                                        # [n or 2n, w], once
+        c = self.net.cond_embed(z.to(dtype))                              # [n or 2n, w], once
         temb = self.net.time_embed(t)                                     # [S, w], once
         guided = cfg is not None
         scale = cfg[:, None].float() if guided else None
