@@ -63,14 +63,19 @@ ERROR_SCHEMA = _schema([
 ])
 
 
+def _column(values: np.ndarray, c) -> pa.Array:
+    """One tokens-table column; values equal to the column's `null` marker become nulls."""
+    mask = None if c.null is None else values == c.null
+    return pa.array(values, TOKEN_SCHEMA.field(c.name).type, mask=mask)
+
+
 def token_table(prompt_ids: list[str], records: list[dict], engine: str) -> pa.Table:
     """One row per token of each image: its records (log.TOKEN_COLUMNS) with the prompt id and engine."""
     if not records:
         return TOKEN_SCHEMA.empty_table()
     n = [len(r["token_index"]) for r in records]
     cols = {"prompt_id": pa.array(np.repeat(prompt_ids, n), pa.string()),
-            **{c.name: pa.array(np.concatenate([r[c.name] for r in records]), TOKEN_SCHEMA.field(c.name).type)
-               for c in TOKEN_COLUMNS},
+            **{c.name: _column(np.concatenate([r[c.name] for r in records]), c) for c in TOKEN_COLUMNS},
             "engine": pa.array([engine] * sum(n), pa.string())}
     return pa.Table.from_pydict(cols, schema=TOKEN_SCHEMA)
 

@@ -36,7 +36,7 @@ class Family:
 
 
 _MODULES = {"shapes": "decoding.shapes.family", "llamagen_c2i": "decoding.llamagen.c2i",
-            "llamagen_t2i": "decoding.llamagen.t2i"}
+            "llamagen_t2i": "decoding.llamagen.t2i", "mar": "decoding.mar.family"}
 
 
 def families() -> dict[str, Family]:

@@ -1,5 +1,5 @@
 """Side-by-side engine benchmark: `python -m workflows.bench [prompts=N] [batch_size=B | batch_sizes=[1,8]]
-[engines=[...]]`.
+[engines=[...]]`; the continuous engines: `python -m workflows.bench baseline=mar256 engines=[mar256,mar64,cspd256,cspd64]`.
 
 Every variant is a list of `generate` overrides (so it uses exactly the job's engine configs) and runs
 on the same prompts and seeds, in one process, interleaved batch by batch (the order rotates), so
@@ -35,20 +35,28 @@ CONF = Path(__file__).resolve().parents[1] / "conf"
 register()
 
 
-def engine_config(overrides: list[str]):
-    """The job's engine settings for these `generate` overrides (conf/engine/*.yaml + overrides)."""
+def variant_config(overrides: list[str]):
+    """The job's (model, engine) settings for these `generate` overrides (conf/engine/*.yaml + overrides;
+    an engine's YAML picks the model family it serves, e.g. engine=mar picks model=mar)."""
     if GlobalHydra.instance().is_initialized():  # inside this app: conf/ is already on the search path
         cfg = compose("generate", overrides=list(overrides))
     else:
         with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
             cfg = compose("generate", overrides=list(overrides))
-    return to_object(cfg.engine)
+    return to_object(cfg.model), to_object(cfg.engine)
+
+
+def engine_config(overrides: list[str]):
+    """The job's engine settings for these `generate` overrides."""
+    return variant_config(overrides)[1]
 
 
 @torch.inference_mode()
 def forward_costs(bundle, sizes=(1, 8, 16, 32, 60), reps: int = 20) -> dict:
     """Median ms of one target / drafter forward over a block of T tokens, CFG batch of 2 rows."""
     from decoding.engines.base import CachedModel, visible
+    if getattr(bundle, "tokens", "discrete") == "continuous":
+        return mar_costs(bundle)
     out = {}
     models = {"target": bundle.gpt} | ({"drafter": bundle.drafter} if bundle.drafter is not None else {})
     dim = bundle.gpt.args.dim
@@ -73,10 +81,43 @@ def forward_costs(bundle, sizes=(1, 8, 16, 32, 60), reps: int = 20) -> dict:
     return out
 
 
+@torch.inference_mode()
+def mar_costs(bundle, known=(0, 128, 240), tokens=(1, 8, 32), reps: int = 5) -> dict:
+    """Continuous models, CFG batch of 2 rows: median ms of one transformer forward (encoder over the
+    condition slots + `known` tokens, decoder over every position) and of one diffusion-head run (all
+    its sampling steps) for `tokens` tokens at once, for the target and the draft."""
+    from decoding.models.mar import MAR
+    out = {}
+    models = {"target": bundle.mar} | ({"draft": bundle.draft} if bundle.draft is not None else {})
+    for name, m in models.items():
+        m: MAR
+        a, dev = m.args, bundle.device
+        buf = m.fake_latent[:, None].expand(2, a.buffer_size, -1)
+        x = torch.randn(2, a.seq_len, a.token_dim, device=dev)
+        for k in known:
+            idx = torch.arange(k, device=dev).expand(2, k)
+            out[f"{name}_transformer_known{k}_ms"] = _median_ms(lambda: m.forward_z(x, idx, buf), reps)
+        S, C = m.diffloss.num_sampling_steps, a.token_dim
+        for n in tokens:
+            z = torch.randn(2 * n, a.decoder_embed_dim, device=dev, dtype=m.decoder_embed.weight.dtype)
+            call = lambda: m.diffloss.sample(z, torch.randn(n, C, device=dev), torch.randn(n, S, C, device=dev),  # noqa: E731
+                                             1.0, torch.full((n,), 2.0, device=dev))
+            out[f"{name}_diffusion_{S}steps_T{n}_ms"] = _median_ms(call, reps)
+    return out
+
+
+def _median_ms(call, reps: int) -> float:
+    ts = []
+    for _ in range(reps + 1):
+        t0 = time.perf_counter()
+        call()
+        ts.append(time.perf_counter() - t0)
+    return round(1000 * float(np.median(ts[1:])), 3)
+
+
 def run_bench(cfg: DictConfig) -> dict:
     torch.set_num_threads(cfg.threads)
     model = to_object(cfg.model)
-    bundle = load_bundle(model)
     chosen = list(cfg.engines or cfg.variants)
     unknown = [n for n in chosen if n not in cfg.variants]
     if unknown:
@@ -84,9 +125,18 @@ def run_bench(cfg: DictConfig) -> dict:
                          f"(add one with +variants.NAME=[overrides])")
     if cfg.baseline not in chosen:
         chosen.insert(0, cfg.baseline)
-    engines = {name: build_engine(bundle, engine_config(cfg.variants[name])) for name in chosen}
-    fam = family(model.name)
-    scorer = fam.scorer(model) if fam.scorer else None
+    # each variant runs on the model its overrides compose (the bench's `model` settings where it is that
+    # family); one bundle per distinct model
+    bundles, engines, scorers = {}, {}, {}
+    for name in chosen:
+        m, e = variant_config(cfg.variants[name])
+        m = model if m.name == model.name else m
+        key = repr(m)
+        if key not in bundles:
+            bundles[key] = load_bundle(m)
+            fam = family(m.name)
+            scorers[key] = fam.scorer(m) if fam.scorer else None
+        engines[name] = (key, build_engine(bundles[key], e))
     prompts = builtin_prompts(cfg.prompts, seed=cfg.prompt_seed)
     batches = [prompts[i:i + cfg.batch_size] for i in range(0, len(prompts), cfg.batch_size)]
     names = list(engines)
@@ -95,31 +145,38 @@ def run_bench(cfg: DictConfig) -> dict:
     for bi, batch in enumerate(batches):
         order = names[bi % len(names):] + names[:bi % len(names)]
         for n in order:
+            key, engine = engines[n]
+            bundle, scorer = bundles[key], scorers[key]
             cond = bundle.conditions([p["prompt"] for p in batch])
-            res = engines[n].generate(cond, [prompt_seed(cfg.seed, p["prompt_id"]) for p in batch])
+            res = engine.generate(cond, [prompt_seed(cfg.seed, p["prompt_id"]) for p in batch])
             wall[n].append(sum(r.wall_s for r in res))
             scores = score_prompts(scorer, np.stack([r.image for r in res]), [p["prompt"] for p in batch]) \
                 if scorer else [None] * len(res)
             for p, r, s in zip(batch, res, scores):
                 per_step = 1.0 / np.maximum(r.records["accept_len"], 1)           # each step's tokens sum to 1
                 budget = r.records.get("budget")
+                drafted = r.records["window_pos"] >= 0 if "window_pos" in r.records else None
                 rows[n].append({"split": p["split"], "tau": r.mean_accept_len, "steps": float(per_step.sum()),
                                 "budget": float((budget * per_step).sum()) if budget is not None else 0.0,
                                 "plain": float(per_step[budget == 0].sum()) if budget is not None else 0.0,
+                                "drafted": int(drafted.sum()) if drafted is not None else 0,
+                                "accepted": int(r.records["accepted"][drafted].sum()) if drafted is not None else 0,
+                                "fallbacks": int(r.records["fallback"].sum()) if "fallback" in r.records else 0,
                                 "target_forwards": r.target_forwards, "draft_forwards": r.draft_forwards,
                                 "wall_s": r.wall_s, "phase_s": r.phase_s, "adherence": s, "batch": bi})
         log.info(f"[bench] batch {bi + 1}/{len(batches)} " +
                  " ".join(f"{n}={np.mean([r['tau'] for r in rows[n]]):.2f}τ" for n in names))
-    costs = {n: e.costs.summary() for n, e in engines.items() if getattr(e, "costs", None) is not None}
-    ceiling = {n: round(e.budget.ceiling(cfg.batch_size * (2 if e.sampling.use_cfg else 1)), 3)
-               for n, e in engines.items()
-               if getattr(e, "costs", None) is not None}
-    return {"config": OmegaConf.to_container(cfg, resolve=True), "forward_costs": forward_costs(bundle),
-            "cost_model": next(iter(costs.values()), None),
+    costs = {}
+    for key, bundle in bundles.items():
+        costs.update({(f"{bundle.name}_{k}" if len(bundles) > 1 else k): v for k, v in forward_costs(bundle).items()})
+    trees = {n: e for n, (_, e) in engines.items() if getattr(e, "costs", None) is not None}
+    ceiling = {n: round(e.budget.ceiling(cfg.batch_size * (2 if e.sampling.use_cfg else 1)), 3) for n, e in trees.items()}
+    return {"config": OmegaConf.to_container(cfg, resolve=True), "forward_costs": costs,
+            "cost_model": next((e.costs.summary() for e in trees.values()), None),
             # the best speedup over vanilla any tree could give here, from the cost model and the
             # acceptance each engine learnt (budget.py: Budget.ceiling)
             "ceiling": ceiling,
-            "torch_threads": torch.get_num_threads(), "dtype": str(bundle.dtype),
+            "torch_threads": torch.get_num_threads(), "dtype": sorted({str(b.dtype) for b in bundles.values()}),
             "results": summarize(rows, wall, baseline=cfg.baseline)}
 
 
@@ -158,6 +215,12 @@ def summarize(rows: dict, wall: dict, baseline: str) -> dict:
                 # the draft nodes a step verified (budget.py), and how many steps were plain
                 "budget_per_step": round(sum(r["budget"] for r in rs) / max(sum(r["steps"] for r in rs), 1), 2),
                 "plain_steps": round(sum(r["plain"] for r in rs) / max(sum(r["steps"] for r in rs), 1), 3),
+                "phase_s_per_image": {k: round(sum(r["phase_s"].get(k, 0.0) for r in rs) / len(rs), 4)
+                                      for k in rs[0]["phase_s"]},
+                # continuous drafts (cspd): accepted / drafted, and residual-sampler fallbacks
+                "draft_accept_rate": (round(sum(r["accepted"] for r in rs) / sum(r["drafted"] for r in rs), 4)
+                                      if sum(r["drafted"] for r in rs) else None),
+                "fallbacks": sum(r["fallbacks"] for r in rs),
                 "adherence": adh and adh["all"], "adherence_by_attribute": adh}
     return out
 
@@ -166,12 +229,14 @@ def table(results: dict) -> str:
     lines = []
     for split, engines in results.items():
         lines += [f"\n{split}", "| engine | τ | step compression | speedup (total) | speedup median [p10, p90] | "
-                  "efficiency | s/image | ms/step (phases) | adherence |", "|---|---|---|---|---|---|---|---|---|"]
+                  "efficiency | s/image | ms/step (phases) | draft accept | adherence |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
         for n, r in engines.items():
             phases = " ".join(f"{k} {v}" for k, v in r["phase_ms_per_step"].items())
             lines.append(f"| {n} | {r['tau']} | {r['step_compression']} | {r['speedup']} | {r['speedup_median']} "
                          f"{r['speedup_p10_p90']} | {r['efficiency']} | {r['s_per_image']} | {r['ms_per_step']} "
-                         f"({phases}) | {r['adherence']} |")
+                         f"({phases}) | {r['draft_accept_rate'] if r['draft_accept_rate'] is not None else '-'} | "
+                         f"{r['adherence']} |")
     return "\n".join(lines)
 
 
@@ -182,7 +247,7 @@ def plot(results: dict, path: Path) -> None:
     splits = [s for s in ("flat", "textured", "all") if s in results]
     names = list(results[splits[0]])
     fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
-    for ax, key, title in ((axes[0], "tau", "τ (tokens / target forward)"), (axes[1], "speedup", "wall speedup vs vanilla")):
+    for ax, key, title in ((axes[0], "tau", "τ (tokens / target forward)"), (axes[1], "speedup", "wall speedup vs the baseline")):
         x = np.arange(len(names))
         for i, s in enumerate(splits):
             ax.bar(x + (i - 1) * 0.27, [results[s][n][key] for n in names], 0.27, label=s)

@@ -5,11 +5,13 @@ from __future__ import annotations
 from dataclasses import fields, is_dataclass
 
 from decoding.engines.base import Engine, EngineConfig, ImageResult
+from decoding.engines.cspd import CSpD
+from decoding.engines.mar import ContinuousEngine, Mar
 from decoding.engines.tree import ADTTree, Eagle2
 from decoding.engines.vanilla import Vanilla
 from decoding.sampling import SamplingParams
 
-ENGINES: dict[str, type[Engine]] = {e.name: e for e in (Vanilla, Eagle2, ADTTree)}
+ENGINES: dict[str, type[Engine]] = {e.name: e for e in (Vanilla, Eagle2, ADTTree, Mar, CSpD)}
 
 
 def engine_class(name: str) -> type[Engine]:
@@ -38,7 +40,12 @@ def build_engine(bundle, cfg: EngineConfig) -> Engine:
     """The engine `cfg.name` over `bundle` (settings validated, sampling defaults from the bundle)."""
     if not is_dataclass(cfg):
         raise TypeError(f"build_engine takes an engine config dataclass, not {type(cfg).__name__}")
-    return engine_class(cfg.name)(bundle, cfg)
+    cls = engine_class(cfg.name)
+    kind = getattr(bundle, "tokens", "discrete")
+    if kind == "continuous" and not issubclass(cls, ContinuousEngine):
+        raise ValueError(f"engine={cfg.name} samples discrete tokens and model {bundle.name!r} makes continuous ones: "
+                         f"use engine=mar or engine=cspd, or a discrete model (model=shapes)")
+    return cls(bundle, cfg)
 
 
 __all__ = ["ENGINES", "Engine", "EngineConfig", "ImageResult", "SamplingParams", "build_engine", "engine_class",

@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Optional
 
 import numpy as np
 import torch
@@ -20,10 +21,11 @@ class Column:
     dtype: str       # numpy dtype name; the Arrow type follows from it
     fill: float      # value before anything is written (NaN: "not applicable", e.g. q_draft of a bonus)
     doc: str
+    null: Optional[float] = None  # a value the tokens table writes as null (e.g. token_id of a continuous token)
 
 
 STORED = (
-    Column("token_id", "int32", -1, "code index (discrete models)"),
+    Column("token_id", "int32", -1, "code index (discrete models; null for continuous tokens)", null=-1),
     Column("cell", "int32", -1, "grid cell, raster index (row * grid + col); raster order unless committed"),
     Column("step", "int32", 0, "engine step (verification, Jacobi iteration, MAR step) that committed it"),
     Column("accepted", "bool", 0, "drafted and accepted by the target, vs produced by the target itself"),
@@ -33,6 +35,9 @@ STORED = (
     Column("tree_depth", "int32", 0, "depth of the draft tree of its step"),
     Column("tree_width", "int32", 0, "per-level width of the draft tree of its step"),
     Column("budget", "int32", 0, "draft nodes per row its step verified (0: a plain step)"),
+    Column("log_accept_ratio", "float32", np.nan, "log r of the continuous acceptance test (cspd drafts)"),
+    Column("window_pos", "int32", -1, "AR step of the token within its draft window (cspd; -1: target-made)"),
+    Column("fallback", "bool", 0, "cspd: the residual sampler ran out of tries, the target's own sample was used"),
 )
 # What `records` emits: the position in generation order and the cell as (row, col), then the stored
 # columns but `cell`. This is the tokens table (less prompt_id and engine, which the job adds).
@@ -68,6 +73,7 @@ class TokenLog:
         self.target_forwards = torch.zeros(B, dtype=torch.long, device=device)
         self.draft_forwards = torch.zeros(B, dtype=torch.long, device=device)
         self.phase_s: dict[str, float] = {}
+        self.latents: Optional[torch.Tensor] = None   # continuous engines: [B, N, C] token vectors, raster order
         self._at: dict[tuple, torch.Tensor] = {}
 
     def reset(self, rows: torch.Tensor) -> None:

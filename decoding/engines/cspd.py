@@ -1,0 +1,136 @@
+"""Continuous speculative decoding (`cspd`, CSpD: MarkXCloud/CSpD; docs/design.md "Continuous engines").
+
+After `prefill_ratio * num_iter` target steps (the first tokens, where a draft is weakest), a smaller MAR
+drafts windows of `num_draft` AR steps on the same schedule and order; the target then runs once on the
+tokens committed before the window (the pre-window mask) and samples every token of the window with the
+same noise the draft used at that position (trajectory alignment), which gives its μ_p0, σ_p0 and L_p.
+Each draft token is accepted or not on its own (decoding/engines/continuous.py): accepted tokens keep the
+draft's value, rejected ones are redrawn from the residual, later tokens of the window are not discarded
+(they stay conditioned on the draft's value, as in the reference). When the residual sampler fails
+`max_tries` times the token takes the target's own aligned sample μ_p0: counted in the `fallback` column
+of the tokens table and logged.
+
+A window costs `num_draft` draft steps and one target step over all its tokens, against `num_draft`
+target steps for `mar` at the same `num_iter`; with draft == target every token is accepted and the image
+is `mar`'s, bit for bit.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+
+import torch
+
+from decoding.engines.continuous import log_accept_ratio, residual_sample
+from decoding.engines.log import TokenLog
+from decoding.engines.mar import RESAMPLE, ContinuousEngine, MarEngineConfig
+from decoding.sampling import ACCEPT, NOISE
+
+log_ = logging.getLogger("arspec.cspd")
+TRIAL = 0  # second counter of ACCEPT draws: the acceptance test (RESAMPLE: the residual sampler's tries)
+
+
+@dataclass
+class CSpDConfig(MarEngineConfig):
+    name: str = "cspd"
+    num_draft: int = 8            # draft AR steps per target verification (reference 8; its demo 4)
+    prefill_ratio: float = 0.15   # the first ceil(ratio * num_iter) steps are the target's (reference 0.15; demo 0.05)
+    lam: float = 42.0             # λ: widens both Gaussians of the acceptance test (reference 42); 1 = no widening
+    max_tries: int = 100          # residual acceptance-rejection tries per rejected token (reference 100)
+
+    def validate(self) -> None:
+        super().validate()
+        if self.num_draft < 1:
+            raise ValueError(f"engine.num_draft={self.num_draft}: must be >= 1")
+        if not 0 <= self.prefill_ratio <= 1:
+            raise ValueError(f"engine.prefill_ratio={self.prefill_ratio}: must be in [0, 1]")
+        if not self.lam > 0:
+            raise ValueError(f"engine.lam={self.lam}: must be > 0 (1 = the plain density ratio)")
+        if self.max_tries < 1:
+            raise ValueError(f"engine.max_tries={self.max_tries}: must be >= 1")
+
+
+class CSpD(ContinuousEngine):
+    name, Config = "cspd", CSpDConfig
+
+    def __init__(self, bundle, cfg: CSpDConfig):
+        super().__init__(bundle, cfg)
+        if bundle.draft is None:
+            raise ValueError(f"engine cspd needs a draft MAR and model {bundle.name!r} has none: train one "
+                             f"(python -m workflows.train stages=[mar_draft]), set model.draft_mar_ckpt, or use engine=mar")
+        self.draft = bundle.draft
+        K = cfg.num_iter
+        self.prefill = min(K, math.ceil(cfg.prefill_ratio * K - 1e-9))
+        self.windows = [list(range(s, min(s + cfg.num_draft, K))) for s in range(self.prefill, K, cfg.num_draft)]
+
+    @property
+    def acceptance(self) -> str:
+        return f"cspd(lam={self.cfg.lam:g})"
+
+    def _generate(self, cond, streams):
+        B, N, C, dev = len(streams), self.N, self.C, self.device
+        log = TokenLog(B, N, self.G, dev)
+        order = self.order(streams)
+        tokens = torch.zeros(B, N, C, device=dev)
+        buf_p, buf_q = self.buffer(self.mar, cond), self.buffer(self.draft, cond)
+        done = 0
+        counts = [n for n, _ in self.plan]
+        for k in range(self.prefill):                                   # the target alone
+            pos = order[:, done:done + counts[k]]
+            with log.phase("target_transformer"):
+                z = self.features(self.mar, tokens, order[:, :done], buf_p)
+            with log.phase("target_diffusion"):
+                s = self.head(self.mar, z, pos, self.scales([k], B), streams)
+            tokens.scatter_(1, pos[..., None].expand(-1, -1, C), s.x)
+            log.commit(torch.full((B,), counts[k], device=dev), cell=pos, step=k, accept_len=counts[k])
+            done += counts[k]
+        fallbacks = torch.zeros((), dtype=torch.long, device=dev)
+        for window in self.windows:
+            drafted, q = tokens.clone(), []
+            end = done
+            for k in window:                                            # draft num_draft steps
+                pos = order[:, end:end + counts[k]]
+                with log.phase("draft_transformer"):
+                    z = self.features(self.draft, drafted, order[:, :end], buf_q)
+                with log.phase("draft_diffusion"):
+                    q.append(self.head(self.draft, z, pos, self.scales([k], B), streams))
+                drafted.scatter_(1, pos[..., None].expand(-1, -1, C), q[-1].x)
+                end += counts[k]
+            pos = order[:, done:end]                                     # [B, m]: the window's tokens
+            with log.phase("target_transformer"):                       # one target step, pre-window mask
+                z = self.features(self.mar, tokens, order[:, :done], buf_p)
+            with log.phase("target_diffusion"):
+                p = self.head(self.mar, z, pos, self.scales(window, B), streams)
+            with log.phase("accept"):
+                x, log_r, accepted, fell_back = self.verify(q, p, pos, streams)
+                tokens.scatter_(1, pos[..., None].expand(-1, -1, C), x)
+                m = end - done
+                step = torch.tensor([k for k in window for _ in range(counts[k])], device=dev).expand(B, -1)
+                log.commit(torch.full((B,), m, device=dev), cell=pos, step=step, accepted=accepted, accept_len=m,
+                           log_accept_ratio=log_r, window_pos=step - window[0], fallback=fell_back)
+                fallbacks += fell_back.sum()
+            done = end
+        log.target_forwards[:] = self.prefill + len(self.windows)
+        log.draft_forwards[:] = sum(len(w) for w in self.windows)
+        if self.windows and int(fallbacks):                             # one host read per batch
+            log_.warning(f"cspd: the residual sampler failed {self.cfg.max_tries} tries for {int(fallbacks)} of "
+                         f"{B * N} tokens; they took the target's own aligned sample (tokens table: fallback)")
+        log.latents = tokens
+        return log
+
+    def verify(self, q: list, p, pos: torch.Tensor, streams):
+        """q: the window's draft HeadSamples (one per step, [B, n_k, C]), p: the target's [B, m, C] over the
+        same positions pos [B, m]. -> (tokens [B, m, C], log r [B, m], accepted [B, m], fallback [B, m])."""
+        mu_q, sig_q, L_q = (torch.cat(t, 1) for t in zip(*((s.x, s.sigma0, s.log_sigma_sum) for s in q)))
+        x = mu_q                                                         # the draft's token: its last mean
+        log_r = log_accept_ratio(x, mu_q, sig_q, L_q, p.x, p.sigma0, p.log_sigma_sum, self.cfg.lam)
+        accepted = torch.log(streams.uniform(ACCEPT, TRIAL, pos)) < log_r
+        T, d = self.cfg.max_tries, torch.arange(self.C, device=self.device)
+        tries = torch.arange(T, device=self.device)
+        normals = streams.normal(NOISE, RESAMPLE, pos[..., None, None], tries[:, None], d)     # [B, m, T, C]
+        uniforms = streams.uniform(ACCEPT, RESAMPLE, pos[..., None], tries)                   # [B, m, T]
+        log_c = (L_q - p.log_sigma_sum).sum(-1)
+        redraw, ok = residual_sample(p.x, p.sigma0, mu_q, sig_q, log_c, normals, uniforms)
+        out = torch.where(accepted[..., None], x, redraw)
+        return out, log_r, accepted, ~accepted & ~ok
