@@ -81,9 +81,11 @@ def filtered_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
 def sample(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Inverse-CDF draw: probs [..., V] (unnormalised is fine), u [...] in (0, 1) -> token ids [...].
     The CDF is summed in float64 on the device: u < 1 - 2^-25 then keeps u * total strictly below the
-    total, so the draw never runs off the end, and a token of zero mass (a flat step) is never drawn."""
+    total, so the draw never runs off the end, and a token of zero mass (a flat step) is never drawn.
+    A row of no mass at all (an empty slot of a continuous batch) gives V - 1, a valid id to ignore."""
     cdf = probs.double().cumsum(-1)
-    return torch.searchsorted(cdf, (u.double() * cdf[..., -1]).unsqueeze(-1), right=True).squeeze(-1)
+    x = torch.searchsorted(cdf, (u.double() * cdf[..., -1]).unsqueeze(-1), right=True).squeeze(-1)
+    return x.clamp(max=probs.shape[-1] - 1)
 
 
 # -- counter-based random streams ---------------------------------------------------------------------

@@ -88,18 +88,19 @@ def test_plain_and_speculative_steps_mixed_commit_vanillas_tokens(name):
 
 
 def test_continuous_batching_gives_every_prompt_its_own_image():
-    """12 prompts through 5 slots (refilled as images finish, in whatever order) give the same tokens as
-    each prompt in a fixed batch of its own size, and every prompt comes back once."""
+    """12 prompts through 5 slots (refilled as images finish, in whatever order), or through 16 slots of
+    which 4 stay empty, give the same tokens as a fixed batch, and every prompt comes back once."""
     bundle = tiny_bundle(vocab=8, grid=4, seed=1, std=0.3)
     for name, kw in [("vanilla", {}), ("eagle2", dict(TREES["eagle2"], budget="fixed"))]:
         engine = build_engine(bundle, engine_config(name, sampling=SAMPLING, **kw))
         alone = engine.generate(labels(12), list(range(50, 62)))
         conds = labels(12).split()
-        outs = list(engine.stream((Request(c, 50 + i, key=i) for i, c in enumerate(conds)), slots=5))
-        assert sorted(o.key for o in outs) == list(range(12)) and not any(o.error for o in outs)
-        got = {o.key: o.result.tokens.tolist() for o in outs}
-        assert [got[i] for i in range(12)] == [r.tokens.tolist() for r in alone]
-        assert all(o.result.wall_s > 0 for o in outs)
+        for slots in (5, 16):                                    # 16: four rows never get a prompt
+            outs = list(engine.stream((Request(c, 50 + i, key=i) for i, c in enumerate(conds)), slots=slots))
+            assert sorted(o.key for o in outs) == list(range(12)) and not any(o.error for o in outs), outs
+            got = {o.key: o.result.tokens.tolist() for o in outs}
+            assert [got[i] for i in range(12)] == [r.tokens.tolist() for r in alone]
+            assert all(o.result.wall_s > 0 for o in outs)
 
 
 def test_a_failing_prompt_does_not_stop_the_stream():
