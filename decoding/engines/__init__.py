@@ -5,11 +5,12 @@ from __future__ import annotations
 from dataclasses import fields, is_dataclass
 
 from decoding.engines.base import Engine, EngineConfig, ImageResult
+from decoding.engines.jacobi import MCSJD, SJD
 from decoding.engines.tree import ADTTree, Eagle2
 from decoding.engines.vanilla import Vanilla
 from decoding.sampling import SamplingParams
 
-ENGINES: dict[str, type[Engine]] = {e.name: e for e in (Vanilla, Eagle2, ADTTree)}
+ENGINES: dict[str, type[Engine]] = {e.name: e for e in (Vanilla, Eagle2, ADTTree, SJD, MCSJD)}
 
 
 def engine_class(name: str) -> type[Engine]:
