@@ -7,11 +7,12 @@ from dataclasses import fields, is_dataclass
 from decoding.engines.base import Engine, EngineConfig, ImageResult
 from decoding.engines.cspd import CSpD
 from decoding.engines.mar import ContinuousEngine, Mar
+from decoding.engines.jacobi import MCSJD, SJD
 from decoding.engines.tree import ADTTree, Eagle2
 from decoding.engines.vanilla import Vanilla
 from decoding.sampling import SamplingParams
 
-ENGINES: dict[str, type[Engine]] = {e.name: e for e in (Vanilla, Eagle2, ADTTree, Mar, CSpD)}
+ENGINES: dict[str, type[Engine]] = {e.name: e for e in (Vanilla, Eagle2, ADTTree, SJD, MCSJD, Mar, CSpD)}
 
 
 def engine_class(name: str) -> type[Engine]:

@@ -1,0 +1,258 @@
+"""The drafter-free Jacobi engines (`sjd`, `mc_sjd`): lossless, statistically and deterministically.
+
+* statistical: chi-square of whole images against the exact enumerated distribution (tests/test_lossless.py),
+  in its "wide" world (nine tokens; CFG 2, temperature 1.3, top-k 2, top-p 0.8), for both engines, both
+  initialisations, both ways of scoring a new token and both couplings; the same test, in the cheaper
+  "small" world, rejects deliberately wrong rules (accepting with p instead of p/q, a residual that does
+  not subtract q, a coupled draft that keeps q_old, a copied draft scored as random);
+* deterministic: every distribution a window forward produces equals a cache-free forward over prefix +
+  window (tests/test_oracle.py's oracle), and greedy decoding reproduces vanilla's tokens exactly;
+* an image does not depend on its batch (size or order); the token log says what each iteration did.
+
+Only tokens are looked at here, so the tiny bundles skip the VQ decoder (`tokens_only`): decoding 6000
+images costs more than generating them.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import decoding.engines.jacobi as jacobi
+import tests.test_lossless as lossless
+from decoding.engines import build_engine, engine_config
+from decoding.sampling import sample
+from tests.conftest import labels, tiny_bundle
+from tests.test_oracle import B, SAMPLING, conditions, oracle
+
+# windows shorter than the image: drafts are carried, coupled and shifted over several iterations, and
+# clipped at the last token; both initialisations and both ways of scoring a new token
+VARIANTS = {
+    "sjd": dict(window=2),
+    "sjd-repeat-onehot": dict(window=3, init="repeat", init_q="onehot"),
+    "mc_sjd": dict(window=4),
+    "mc_sjd-repeat": dict(window=3, init="repeat"),
+    "mc_sjd-gumbel": dict(window=3, coupling="gumbel"),
+}
+N_BROKEN = 3000     # samples for a wrong rule: enough for p < 1e-6 (the weakest, coupled_keeps_q_old, ~1e-8 at 2000)
+
+
+def tokens_only(bundle):
+    """The bundle with the VQ decoder skipped (blank 1x1 images): these tests read tokens only."""
+    bundle.decode = lambda tokens: np.zeros((len(tokens), 1, 1, 3), np.uint8)
+    return bundle
+
+
+def build(bundle, variant: str, **over):
+    name = variant.partition("-")[0]
+    return build_engine(bundle, engine_config(name, **{**VARIANTS.get(variant, {}), **over}))
+
+
+@pytest.fixture(scope="module")
+def wide():
+    w = lossless.WORLDS["wide"]
+    bundle = tokens_only(tiny_bundle(**w["bundle"]))
+    return bundle, w["sampling"], lossless.exact_distribution(bundle, w["sampling"])
+
+
+def pvalue(monkeypatch, bundle, exact, sampling, variant) -> float:
+    monkeypatch.setitem(lossless.ENGINES, variant, VARIANTS[variant])
+    return lossless.sample_pvalue(bundle, exact, sampling, variant)
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_jacobi_samples_the_vanilla_distribution(wide, variant, monkeypatch):
+    bundle, sampling, exact = wide
+    assert pvalue(monkeypatch, bundle, exact, sampling, variant) > 1e-3
+
+
+# -- wrong rules the statistical test must reject -------------------------------------------------------
+TRUE = {"trial": jacobi.trial, "carry": jacobi.MCSJD.carry, "_init": jacobi.Jacobi._init}
+
+
+def accept_with_p(p, q, x, u, u_res):
+    """Wrong: a draft passes with probability p(x), not min(1, p(x)/q(x))."""
+    _, fix = TRUE["trial"](p, q, x, u, u_res)
+    return u < p.gather(-1, x[..., None])[..., 0], fix
+
+
+def residual_without_q(p, q, x, u, u_res):
+    """Wrong: after a rejection the token is drawn from p, not from norm(max(p - q, 0))."""
+    passed, _ = TRUE["trial"](p, q, x, u, u_res)
+    return passed, sample(p, u_res)
+
+
+def coupled_keeps_q_old(self, streams, p, q, tok, passed, fix, pos, step):
+    """Wrong (SCD's Lumina code): a draft the coupling kept keeps the q it was drawn from, not p."""
+    nxt, _ = TRUE["carry"](self, streams, p, q, tok, passed, fix, pos, step)
+    kept = torch.cat([passed, torch.zeros_like(passed[:, :1])], 1)
+    return nxt, torch.where(kept[..., None], torch.cat([q, p[:, -1:]], 1), p)
+
+
+def copies_scored_uniform(self, streams, log, carried, tok, q, step):
+    """Wrong: a copy of the left neighbour scored as if it were a uniformly random token."""
+    tok, q = TRUE["_init"](self, streams, log, carried, tok, q, step)
+    return tok, torch.where(carried[..., None], q, 1.0 / q.shape[-1])
+
+
+BROKEN = {  # rule -> (where it lives, replacement, the variant it breaks)
+    "accept_with_p": (jacobi, "trial", accept_with_p, "sjd"),
+    "residual_without_q": (jacobi, "trial", residual_without_q, "sjd"),
+    "coupled_keeps_q_old": (jacobi.MCSJD, "carry", coupled_keeps_q_old, "mc_sjd"),
+    "copies_scored_uniform": (jacobi.Jacobi, "_init", copies_scored_uniform, "mc_sjd-repeat"),
+}
+
+
+@pytest.fixture(scope="module")
+def small():
+    w = lossless.WORLDS["small"]
+    bundle = tokens_only(tiny_bundle(**w["bundle"]))
+    return bundle, w["sampling"], lossless.exact_distribution(bundle, w["sampling"])
+
+
+@pytest.mark.parametrize("rule", list(BROKEN))
+def test_the_test_rejects_a_wrong_rule(small, monkeypatch, rule):
+    bundle, sampling, exact = small
+    owner, attr, broken, variant = BROKEN[rule]
+    monkeypatch.setattr(owner, attr, broken)
+    monkeypatch.setattr(lossless, "N_SAMPLES", N_BROKEN)
+    assert pvalue(monkeypatch, bundle, exact, sampling, variant) < 1e-6
+
+
+# -- deterministic ----------------------------------------------------------------------------------------
+def record_windows(engine) -> list:
+    """Wrap the engine's window forward: keep (n, window drafts, p) of every iteration."""
+    calls, forward = [], engine._forward
+
+    def spy(target, log, n, tok):
+        p = forward(target, log, n, tok)
+        calls.append((n.clone(), tok.clone(), p.clone()))
+        return p
+    engine._forward = spy
+    return calls
+
+
+@pytest.mark.parametrize("model_type", ["c2i", "t2i"])
+@pytest.mark.parametrize("variant", ["sjd", "mc_sjd-repeat", "mc_sjd-gumbel"])
+def test_every_window_distribution_matches_a_cache_free_forward(variant, model_type):
+    """p at every window lane = the filtered distribution after prefix + the drafts before that lane,
+    computed without a cache (CFG, temperature 0.8, top-k, top-p; padded captions for t2i)."""
+    bundle = tokens_only(tiny_bundle(vocab=8, grid=4, seed=1, std=0.3, model_type=model_type))
+    engine = build(bundle, variant, sampling=SAMPLING, window=5)
+    calls = record_windows(engine)
+    cond = conditions(bundle, model_type)
+    results = engine.generate(cond, list(range(100, 100 + B)))
+    final = [r.tokens.tolist() for r in results]
+    N = engine.N
+    rows, seqs, got = [], [], []
+    for n, tok, p in calls:
+        for b in range(B):
+            n_b = int(n[b])
+            for i in range(min(tok.shape[1] + 1, N - n_b) if n_b < N else 0):
+                rows.append(b)
+                seqs.append(final[b][:n_b] + tok[b, :i].tolist())
+                got.append(p[b, i])
+    want = oracle(bundle, cond, rows, seqs, engine.sampling)
+    diff = (torch.stack(got) - want).abs().max().item()
+    assert diff < 2e-5, f"{variant}: a window distribution differs from the cache-free forward by {diff:.3g}"
+    assert len(calls) > 3 and len(seqs) > 100
+    assert any(r.records["accept_len"].max() > 2 for r in results)     # windows were accepted in part
+    # the recorded p_target of every committed token is the oracle's probability of that token
+    rows = [b for b in range(B) for i in range(N)]
+    p = oracle(bundle, cond, rows, [final[b][:i] for b in range(B) for i in range(N)], engine.sampling)
+    p = p.gather(1, torch.tensor([final[b][i] for b in range(B) for i in range(N)])[:, None])[:, 0]
+    logged = torch.tensor([float(r.records["p_target"][i]) for r in results for i in range(N)])
+    assert (p - logged).abs().max().item() < 2e-5
+
+
+GREEDY = dict(cfg_scale=2.0, temperature=0.0, top_k=0, top_p=1.0)
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_greedy_reproduces_vanilla_greedy(variant):
+    bundle = tokens_only(tiny_bundle(vocab=8, grid=4, seed=1, std=0.3, model_type="t2i"))
+    cond = conditions(bundle, "t2i")
+    want = build(bundle, "vanilla", sampling=GREEDY).generate(cond, list(range(B)))
+    got = build(bundle, variant, sampling=GREEDY).generate(cond, list(range(B)))
+    assert [r.tokens.tolist() for r in got] == [r.tokens.tolist() for r in want]
+    assert sum(r.target_forwards for r in got) < sum(r.target_forwards for r in want)
+
+
+@pytest.mark.parametrize("variant", ["sjd", "mc_sjd", "mc_sjd-gumbel"])
+def test_greedy_on_the_shipped_model(variant):
+    """The shipped shapes model (fp32), two prompts: greedy Jacobi = greedy vanilla, token for token."""
+    from decoding.registry import load_bundle
+    from decoding.shapes.family import ShapesConfig
+    bundle = load_bundle(ShapesConfig(dtype="float32", device="cpu"))
+    cond = bundle.conditions(["a small green star in the center on a blue background",
+                              "a small orange star at the top left on a speckled white background"])
+    want = build_engine(bundle, engine_config("vanilla", sampling=dict(temperature=0.0))).generate(cond, [0, 1])
+    got = build(bundle, variant, sampling=dict(temperature=0.0), window=16).generate(cond, [0, 1])
+    assert [r.tokens.tolist() for r in got] == [r.tokens.tolist() for r in want]
+
+
+@pytest.fixture(scope="module")
+def grid4():
+    """Vocabulary 8 on a 4x4 grid: several iterations per image, and (unlike the wide world, where most
+    trials are certain) acceptance uniforms that decide outcomes."""
+    return tokens_only(tiny_bundle(vocab=8, grid=4, seed=1, std=0.3))
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_image_does_not_depend_on_its_batch(grid4, variant):
+    """Seed 13 alone, third of five, and fourth of five in reverse order: the same tokens and records."""
+    engine = build(grid4, variant, sampling=SAMPLING)
+    together = engine.generate(labels(5), [11, 12, 13, 14, 15])[2]
+    reverse = engine.generate(labels(5), [16, 15, 14, 13, 12])[3]
+    alone = engine.generate(labels(1), [13])[0]
+    for other in (together, reverse):
+        assert other.tokens.tolist() == alone.tokens.tolist()
+        for k in ("step", "accept_len", "accepted"):
+            assert other.records[k].tolist() == alone.records[k].tolist()
+        assert other.records["p_target"] == pytest.approx(alone.records["p_target"], abs=1e-6)
+
+
+@pytest.mark.parametrize("variant", ["sjd", "mc_sjd"])
+def test_token_log_says_what_each_iteration_did(variant):
+    """Per iteration (`step`): its tokens are contiguous, `accept_len` is their count, all but the last
+    are accepted drafts (all of them when the window reached the last token), q_draft is set exactly on
+    accepted drafts; target forwards = iterations + the prefill."""
+    bundle = tokens_only(tiny_bundle(vocab=8, grid=4, seed=1, std=0.3))
+    results = build(bundle, variant, sampling=SAMPLING).generate(labels(B), list(range(B)))
+    saw_accepted = False
+    for r in results:
+        rec, N = r.records, len(r.tokens)
+        steps = rec["step"]
+        assert steps[0] == 0 and rec["accept_len"][0] == 1 and not rec["accepted"][0]
+        assert (np.diff(steps) >= 0).all() and (np.diff(steps) <= 1).all()
+        for s in range(1, steps.max() + 1):
+            idx = np.flatnonzero(steps == s)
+            k = len(idx)
+            assert k >= 1 and (rec["accept_len"][idx] == k).all()
+            acc = rec["accepted"][idx]
+            last_reached = idx[-1] == N - 1
+            assert acc[:-1].all() and (not acc[-1] or last_reached)
+            saw_accepted |= bool(acc.any())
+        assert (np.isfinite(rec["q_draft"]) == rec["accepted"]).all()
+        assert (rec["q_draft"][rec["accepted"]] > 0).all() and (rec["p_target"] > 0).all()
+        assert r.target_forwards == steps.max() + 1 and r.draft_forwards == 0
+    assert saw_accepted
+
+
+def test_coupling_keeps_drafts_that_sjd_throws_away():
+    """Same world, same seeds: maximal coupling commits more tokens per forward than independent redraws
+    (the point of MC-SJD; exact counts, not timings)."""
+    bundle = tokens_only(tiny_bundle(vocab=8, grid=4, seed=1, std=0.3))
+    tau = {}
+    for name, kw in (("sjd", {}), ("mc_sjd", {}), ("mc_sjd", dict(coupling="gumbel"))):
+        e = build_engine(bundle, engine_config(name, sampling=SAMPLING, window=8, **kw))
+        tau[name + kw.get("coupling", "")] = np.mean([r.mean_accept_len for r in e.generate(labels(200), list(range(200)))])
+    assert tau["mc_sjd"] > 1.1 * tau["sjd"] and tau["mc_sjdgumbel"] > 1.1 * tau["sjd"], tau
+
+
+@pytest.mark.parametrize("bad, message", [
+    (dict(window=0), "engine.window=0"), (dict(init="spiral"), "engine.init='spiral'"),
+    (dict(init_q="uniform"), "engine.init_q='uniform'"), (dict(coupling="copula"), "engine.coupling='copula'")])
+def test_bad_settings_are_refused_in_one_line(bad, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+        engine_config("mc_sjd", **bad)
