@@ -137,7 +137,9 @@ def test_tree_engines_commit_vanillas_tokens(variant):
     out = build_engine(bundle, engine_config(variant.partition("-")[0], sampling=sampling, **settings)).generate(
         labels(48), range(48))
     assert [r.tokens.tolist() for r in out] == [r.tokens.tolist() for r in ref]
-    assert sum(r.target_forwards for r in out) < 0.8 * sum(r.target_forwards for r in ref)   # drafts were accepted
+    # not vacuous: drafts were accepted and saved target forwards (the tiny drafter is random: ~15% fewer)
+    assert sum(int(r.records["accepted"].sum()) for r in out) > 50
+    assert sum(r.target_forwards for r in out) < 0.9 * sum(r.target_forwards for r in ref)
 
 
 @pytest.mark.parametrize("variant", ["vanilla", "eagle2", "adt_tree"])
