@@ -180,10 +180,14 @@ class Engine:
         """Target features [R, ..., dim] -> filtered distribution [B, ..., V] (CFG, temperature, top-k/p)."""
         return filtered_probs(cfg_combine(self.gpt.logits(features), self.sampling), self.sampling)
 
-    def prefill(self, target: CachedModel, cond: Conditions, rows: torch.Tensor, slots: int):
-        """Run the condition prefix of new prompts in prompt rows `rows`. Returns (features [r, L, dim],
-        condition embeddings [r, L, dim]) for their cache rows r = cache_rows(rows)."""
+    def prefill(self, target: CachedModel, cond: Conditions, rows: torch.Tensor | None = None,
+                slots: int | None = None):
+        """Run the condition prefix of new prompts in prompt rows `rows` of `slots` (default: the whole
+        cache is this batch). Returns (features [r, L, dim], condition embeddings [r, L, dim]) for their
+        cache rows r = cache_rows(rows)."""
         B = len(cond)
+        if rows is None:
+            rows, slots = torch.arange(B, device=self.device), B
         drop = torch.arange(len(self.rows(cond.features)), device=self.device) >= B
         emb = self.gpt.embed_condition(self.rows(cond.features.to(self.device)), drop)
         mask = None if cond.mask is None else self.rows(cond.mask.to(self.device))
