@@ -169,7 +169,7 @@ def run(cfg: DictConfig) -> dict:
 
 
 def _generate(c: GenerateConfig, items: list[dict], out_dir: Path, stop) -> dict:
-    from actors.output import recover, storage
+    from actors.output import recover, write_bytes_atomic
     from actors.pool import Progress, run_batches
     from decoding.sampling import prompt_seed
     from workflows.lock import Preempted
@@ -187,6 +187,7 @@ def _generate(c: GenerateConfig, items: list[dict], out_dir: Path, stop) -> dict
         bs = c.cluster.batch_size
         batches = [pending[i:i + bs] for i in range(0, len(pending), bs)]
         started = start_ray(c.cluster)
+        stop.catch_sigterm()   # again: ray.init's core worker replaced the handler with one that aborts
         ray_start_s = time.time() - t0
         if c.cluster.num_actors is None:
             c.cluster.num_actors = actor_slots(c.cluster)
@@ -199,11 +200,10 @@ def _generate(c: GenerateConfig, items: list[dict], out_dir: Path, stop) -> dict
                 ray.shutdown()
     summary = summarize(results, c, len(items), already, time.time() - t0, ray_start_s, t0 + ray_start_s)
     summary["stopped"] = stop.reason
-    with storage(out_dir / "summary.json"):
-        (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    write_bytes_atomic(json.dumps(summary, indent=2).encode(), out_dir / "summary.json", "summary.json")
     log.info("[generate] summary " + json.dumps(summary))
-    if stop:
-        left = len(pending) - summary["images"] - summary["errors"]
+    left = len(pending) - summary["images"] - summary["errors"]
+    if stop and left:
         raise Preempted(f"[generate] stopped ({stop.reason}): {summary['images'] + summary['errors']} prompts "
                         f"committed in this run, {left} left; rerun the same command to finish")
     return summary

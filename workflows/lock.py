@@ -70,6 +70,20 @@ class Stop:
 
     def __init__(self, grace_s: float):
         self.grace_s, self.reason, self.deadline = grace_s, None, float("inf")
+        self._previous = None
+
+    def catch_sigterm(self) -> None:
+        """SIGTERM requests a stop instead of killing the process (main thread only). Called again
+        after ray.init, whose core worker installs its own SIGTERM handler (it aborts the process)."""
+        if threading.current_thread() is threading.main_thread():
+            previous = signal.signal(signal.SIGTERM, lambda *_: self.request("SIGTERM"))
+            if self._previous is None:
+                self._previous = previous
+
+    def restore(self) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
+            self._previous = None
 
     def request(self, reason: str) -> None:
         if self.reason is None:
@@ -204,13 +218,11 @@ class on_sigterm:
     """While active (in the main thread): SIGTERM requests `stop` instead of killing the process."""
 
     def __init__(self, stop: Stop):
-        self.stop, self.previous = stop, None
+        self.stop = stop
 
     def __enter__(self) -> Stop:
-        if threading.current_thread() is threading.main_thread():
-            self.previous = signal.signal(signal.SIGTERM, lambda *_: self.stop.request("SIGTERM"))
+        self.stop.catch_sigterm()
         return self.stop
 
     def __exit__(self, *exc) -> None:
-        if self.previous is not None:
-            signal.signal(signal.SIGTERM, self.previous)
+        self.stop.restore()
