@@ -40,6 +40,7 @@ class PartResult:
     pid: Optional[int] = None
     started: Optional[float] = None        # the actor's clock
     ended: Optional[float] = None
+    files: dict = field(default_factory=dict)   # table -> size, rows, sha256 (output.write_part), for the manifest
 
 
 @dataclass
@@ -112,13 +113,13 @@ class Generator:
         errors = pa.Table.from_pylist([{"prompt_id": it["prompt_id"], "prompt": it["prompt"], "seed": it["seed"],
                                         "engine": self.engine.name, "error": msg, "part": part}
                                        for it, msg in failed], schema=ERROR_SCHEMA)
-        write_part(self.out_dir, part, self._images(done, part),
+        files = write_part(self.out_dir, part, self._images(done, part),
                    token_table([it["prompt_id"] for it, _ in done], [r.records for _, r in done], self.engine.name),
                    errors)
         return PartResult(part, [it["prompt_id"] for it in items], len(done), len(failed), self.engine.acceptance,
                           gen_s, time.perf_counter() - w0, [r.mean_accept_len for _, r in done],
                           [r.wall_s for _, r in done], [m for _, m in failed], self.node(), os.getpid(), started,
-                          time.time())
+                          time.time(), files)
 
     def _condition(self, prompt: str):
         try:

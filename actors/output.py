@@ -1,23 +1,36 @@
 """The Parquet output contract (docs/design.md, "Output contract") and the crash-safe way it is
-written and resumed.
+written, verified and resumed.
 
 out_dir/images/part-X.parquet   one row per image (PNG bytes, HF `Image` feature in the schema metadata)
 out_dir/tokens/part-X.parquet   one row per generated token (the acceptance log)
 out_dir/errors/part-X.parquet   one row per prompt that failed, with the reason
-out_dir/manifest.jsonl          one line per committed part: its prompt ids and counts
+out_dir/manifest.jsonl          one line per committed part: its prompt ids, counts, and each file's
+                                size, row count and sha256
 out_dir/job.json                the settings that decide the images; a rerun must match them
+out_dir/quarantine/             damaged parts found on start, moved aside (their prompts are generated again)
 
-Every file is written under a temporary name and renamed. A part's images file is written last and
-is its commit mark: tokens or errors files without one are leftovers of a crash and are removed on
-resume, so each prompt ends up in exactly one committed part.
+Commit protocol (docs/design.md, "Commit protocol"): every file is written under a temporary name,
+fsynced and renamed; a part's tokens, then errors, then images file, and the images file is its
+commit mark. On start, `recover` removes what a crash can leave (temporary files; tokens or errors
+files without an images file), checks every committed part against its manifest line (sizes and
+Parquet footers; `verify=full` also the checksums), and quarantines damaged ones, so that each prompt
+ends up in exactly one sound committed part. `FAULT` is the fault-injection hook the tests use to stop
+a writer at each of these boundaries.
 """
 from __future__ import annotations
 
+import errno
+import hashlib
 import io
 import json
+import logging
 import os
+import secrets
+import shutil
 import time
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Callable, Optional
 
 import numpy as np
 import pyarrow as pa
@@ -27,6 +40,47 @@ from PIL import Image
 from decoding.engines.log import TOKEN_COLUMNS
 
 TABLES = ("images", "tokens", "errors")
+WRITE_ORDER = ("tokens", "errors", "images")   # the images file commits the part
+VERIFY_MODES = ("quick", "full")
+log = logging.getLogger("arspec.job")
+
+# Fault injection (tests/test_reliability.py): called with "before:LABEL", "mid:LABEL" (half of the
+# file's bytes are written) and "after:LABEL" around every file this module writes; LABEL is a table
+# name, "job.json", "manifest" (its rewrite) or "manifest-line" (an appended line). None in a real job.
+FAULT: Optional[Callable[[str], None]] = None
+
+
+def _boundary(point: str) -> None:
+    if FAULT is not None:
+        FAULT(point)
+
+
+class JobExit(RuntimeError):
+    """Ends the job with one line (`prefix` + the message) and exit status `code` (workflows.generate)."""
+    code, prefix = 1, "error: "
+
+
+class OutDirError(JobExit):
+    """out_dir cannot be written: disk full, permission denied, read-only mount (exit 3)."""
+    code = 3
+
+
+_STORAGE = {errno.ENOSPC: "free space on it", errno.EDQUOT: "free space or raise the quota",
+            errno.EFBIG: "free space or raise the file size limit", errno.EACCES: "give this user write access",
+            errno.EPERM: "give this user write access", errno.EROFS: "mount it read-write or use another out_dir"}
+
+
+@contextmanager
+def storage(path: Path):
+    """Turn an OSError that no retry can fix (disk full, permission denied, read-only mount) into an
+    OutDirError naming the path and the cause. Other errors pass unchanged."""
+    try:
+        yield
+    except OSError as e:
+        if e.errno not in _STORAGE:
+            raise
+        raise OutDirError(f"cannot write {path}: {e.strerror or e} ({errno.errorcode.get(e.errno, e.errno)}); "
+                          f"committed parts are intact: {_STORAGE[e.errno]}, then rerun the same command") from None
 
 
 def _hf_metadata(schema: pa.Schema, image_column: str | None) -> dict:
@@ -86,61 +140,214 @@ def png_bytes(image: np.ndarray) -> bytes:
     return buf.getvalue()
 
 
-def write_atomic(table: pa.Table, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    pq.write_table(table, tmp)
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+def _fsync_dir(d: Path) -> None:
+    try:
+        fd = os.open(d, os.O_RDONLY)
+    except OSError:
+        return  # not every filesystem lets a directory be opened
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
-def write_part(out_dir: Path, part: str, images: pa.Table, tokens: pa.Table, errors: pa.Table) -> None:
-    """Tokens, then errors, then images: the images file commits the part."""
-    write_atomic(tokens, out_dir / "tokens" / f"{part}.parquet")
-    write_atomic(errors, out_dir / "errors" / f"{part}.parquet")
-    write_atomic(images, out_dir / "images" / f"{part}.parquet")
+def write_bytes_atomic(data, path: Path, label: str) -> None:
+    """Write `data` to a temporary name beside `path`, fsync, rename over `path`, fsync the directory.
+    A crash at any moment leaves either the old file (or none) or the whole new one under `path`."""
+    _boundary(f"before:{label}")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    view = memoryview(data)
+    with storage(path):
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with open(tmp, "wb") as f:
+                f.write(view[:len(view) // 2])
+                f.flush()
+                _boundary(f"mid:{label}")
+                f.write(view[len(view) // 2:])
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except OSError:
+            tmp.unlink(missing_ok=True)
+            raise
+        _fsync_dir(path.parent)
+    _boundary(f"after:{label}")
 
 
-def committed(out_dir: Path) -> dict[str, list[str]]:
-    """part name -> prompt ids (images and errors) of every committed part, after removing leftovers."""
-    parts = {}
-    for f in sorted((out_dir / "images").glob("*.parquet")):
-        ids = pq.read_table(f, columns=["prompt_id"]).column(0).to_pylist()
-        err = out_dir / "errors" / f.name
-        if err.exists():
-            ids += pq.read_table(err, columns=["prompt_id"]).column(0).to_pylist()
-        parts[f.stem] = ids
-    for table in TABLES:
-        for f in (out_dir / table).glob("*"):
-            if f.name.endswith(".tmp") or (table != "images" and f.stem not in parts):
-                f.unlink()
-    return parts
+def parquet_bytes(table: pa.Table) -> pa.Buffer:
+    sink = pa.BufferOutputStream()
+    pq.write_table(table, sink)
+    return sink.getvalue()
 
 
-def append_manifest(out_dir: Path, part: str, prompt_ids: list[str], images: int, errors: int) -> None:
-    line = json.dumps({"part": part, "images": images, "errors": errors, "prompt_ids": prompt_ids,
-                       "time": time.strftime("%Y-%m-%dT%H:%M:%S")})
-    with open(out_dir / "manifest.jsonl", "a") as f:
-        f.write(line + "\n")
+def file_info(data, rows: int) -> dict:
+    """What the manifest records of a part's file: its size, row count and sha256."""
+    return {"bytes": len(memoryview(data)), "rows": rows, "sha256": hashlib.sha256(data).hexdigest()}
 
 
-def reconcile_manifest(out_dir: Path, parts: dict[str, list[str]]) -> None:
-    """Rewrite the manifest to list exactly the committed parts (a driver may have died between a
-    part's commit and its manifest line)."""
-    path = out_dir / "manifest.jsonl"
+def write_part(out_dir: Path, part: str, images: pa.Table, tokens: pa.Table, errors: pa.Table) -> dict:
+    """Tokens, then errors, then images: the images file commits the part. Returns each file's
+    file_info for the manifest."""
+    tables, files = {"images": images, "tokens": tokens, "errors": errors}, {}
+    for table in WRITE_ORDER:
+        data = parquet_bytes(tables[table])
+        write_bytes_atomic(data, out_dir / table / f"{part}.parquet", table)
+        files[table] = file_info(data, tables[table].num_rows)
+    return files
+
+
+def read_manifest(out_dir: Path) -> dict[str, dict]:
+    """part -> its last manifest line; lines a crash tore (or damage garbled) are skipped."""
     listed = {}
+    path = out_dir / "manifest.jsonl"
     if path.exists():
-        for line in path.read_text().splitlines():
+        for line in path.read_text(errors="replace").splitlines():
             try:
                 e = json.loads(line)
                 listed[e["part"]] = e
-            except (json.JSONDecodeError, KeyError):
-                continue  # a torn last line
-    lines = []
-    for part, ids in parts.items():
-        e = listed.get(part) or {"part": part, "images": None, "errors": None, "prompt_ids": ids, "time": None}
-        lines.append(json.dumps(e))
-    tmp = path.with_suffix(".jsonl.tmp")
-    tmp.write_text("".join(x + "\n" for x in lines))
-    os.replace(tmp, path)
+            except (json.JSONDecodeError, KeyError, TypeError):
+                continue
+    return listed
+
+
+def manifest_entry(part: str, prompt_ids: list[str], images: int, errors: int, files: dict) -> dict:
+    return {"part": part, "images": images, "errors": errors, "prompt_ids": prompt_ids, "files": files,
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+
+
+def append_manifest(out_dir: Path, entry: dict) -> None:
+    """Append one committed part's line. A crash mid-line leaves a torn last line, which `recover`
+    drops (the part is then checked from its files and its line rewritten)."""
+    path = out_dir / "manifest.jsonl"
+    line = (json.dumps(entry) + "\n").encode()
+    _boundary("before:manifest-line")
+    with storage(path), open(path, "ab") as f:
+        f.write(line[:len(line) // 2])
+        f.flush()
+        _boundary("mid:manifest-line")
+        f.write(line[len(line) // 2:])
+        f.flush()
+        os.fsync(f.fileno())
+    _boundary("after:manifest-line")
+
+
+def _check_file(path: Path, info: Optional[dict], full: bool) -> tuple[Optional[str], Optional[dict]]:
+    """(reason it is damaged or None, its file_info). With a recorded `info`: size and footer row count
+    (cheap), and with `full` the sha256. Without one (the driver died before the manifest line): the
+    whole file is read and decoded, and its info computed."""
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        return "missing", None
+    if info is not None and size != info.get("bytes"):
+        return f"{size} bytes, the manifest recorded {info.get('bytes')}", None
+    try:
+        rows = pq.read_metadata(path).num_rows
+    except Exception as e:
+        return f"unreadable Parquet footer ({str(e).splitlines()[0][:120]})", None
+    if info is not None and rows != info.get("rows"):
+        return f"{rows} rows, the manifest recorded {info.get('rows')}", None
+    if info is not None and not full:
+        return None, info
+    data = path.read_bytes()
+    if info is not None:
+        ok = hashlib.sha256(data).hexdigest() == info.get("sha256")
+        return (None, info) if ok else ("sha256 differs from the manifest", None)
+    try:
+        rows = pq.read_table(pa.BufferReader(data)).num_rows
+    except Exception as e:
+        return f"unreadable Parquet data ({str(e).splitlines()[0][:120]})", None
+    return None, file_info(data, rows)
+
+
+def check_part(out_dir: Path, part: str, entry: Optional[dict], full: bool) -> tuple[Optional[str], Optional[dict]]:
+    """(reason the part is damaged or None, its manifest entry, rebuilt from its files if it had none)."""
+    recorded = (entry or {}).get("files") or {}
+    files = {}
+    for table in WRITE_ORDER:
+        reason, info = _check_file(out_dir / table / f"{part}.parquet", recorded.get(table), full)
+        if reason:
+            return f"{table}/{part}.parquet: {reason}", None
+        files[table] = info
+    if recorded and len(entry.get("prompt_ids") or []) == files["images"]["rows"] + files["errors"]["rows"]:
+        return None, entry
+    ids = [pq.read_table(out_dir / t / f"{part}.parquet", columns=["prompt_id"]).column(0).to_pylist()
+           for t in ("images", "errors")]
+    return None, {**manifest_entry(part, ids[0] + ids[1], len(ids[0]), len(ids[1]), files), "time": None}
+
+
+def quarantine(out_dir: Path, part: str, reason: str) -> Path:
+    """Move every file of `part` to out_dir/quarantine/TABLE/ (kept for inspection, out of the dataset)."""
+    q = out_dir / "quarantine"
+    for table in TABLES:
+        src = out_dir / table / f"{part}.parquet"
+        if src.exists():
+            dst = q / table / src.name
+            if dst.exists():
+                dst = dst.with_name(f"{part}.{time.strftime('%Y%m%dT%H%M%S')}.{secrets.token_hex(2)}.parquet")
+            with storage(dst):
+                dst.parent.mkdir(parents=True, exist_ok=True)
+                shutil.move(src, dst)
+    log.warning(f"[generate] quarantined {part}: {reason}; moved to {q}; prompts no sound part holds will be generated again")
+    return q
+
+
+def _remove_leftovers(out_dir: Path, parts) -> None:
+    """Temporary files of interrupted writes, and tokens/errors files of parts never committed."""
+    leftovers = [f for f in out_dir.glob(".*.tmp")]
+    for table in TABLES:
+        d = out_dir / table
+        if d.is_dir():
+            leftovers += [f for f in d.iterdir() if f.name.endswith(".tmp")
+                          or (table != "images" and f.suffix == ".parquet" and f.stem not in parts)]
+    for f in leftovers:
+        with storage(f):
+            f.unlink(missing_ok=True)
+
+
+def inspect(out_dir: Path, verify: str = "quick") -> tuple[dict[str, dict], dict[str, str]]:
+    """Check every committed part (an images file) without changing anything: (sound parts -> their
+    manifest entry, damaged parts -> the reason). Damaged: a file missing, of the wrong size or row
+    count, an unreadable footer, with `verify=full` a checksum differing; or a part repeating prompts
+    of an earlier one (two jobs that once wrote the same out_dir)."""
+    if verify not in VERIFY_MODES:
+        raise ValueError(f"verify={verify!r}: choose one of {', '.join(VERIFY_MODES)}")
+    listed, parts, damaged, owner = read_manifest(out_dir), {}, {}, {}
+    images_dir = out_dir / "images"
+    for f in sorted(images_dir.glob("*.parquet")) if images_dir.is_dir() else []:
+        reason, entry = check_part(out_dir, f.stem, listed.get(f.stem), verify == "full")
+        if reason is None:
+            repeated = [pid for pid in entry["prompt_ids"] if pid in owner]
+            if repeated:
+                reason = f"{len(repeated)} of its prompts are already in {owner[repeated[0]]} (e.g. {repeated[0]!r})"
+        if reason:
+            damaged[f.stem] = reason
+            continue
+        parts[f.stem] = entry
+        owner.update(dict.fromkeys(entry["prompt_ids"], f.stem))
+    return parts, damaged
+
+
+def recover(out_dir: Path, verify: str = "quick") -> dict[str, dict]:
+    """On start: quarantine the damaged parts (one line each), remove crash leftovers, rewrite the
+    manifest to list exactly the sound committed parts, and return them (part -> manifest entry)."""
+    parts, damaged = inspect(out_dir, verify)
+    for part, reason in damaged.items():
+        quarantine(out_dir, part, reason)
+    _remove_leftovers(out_dir, parts)
+    rewrite_manifest(out_dir, parts)
+    return parts
+
+
+def rewrite_manifest(out_dir: Path, parts: dict[str, dict]) -> None:
+    """The manifest listing exactly `parts`, written atomically."""
+    data = "".join(json.dumps(e) + "\n" for e in parts.values()).encode()
+    write_bytes_atomic(data, out_dir / "manifest.jsonl", "manifest")
+
+
+def committed(out_dir: Path) -> dict[str, list[str]]:
+    """part name -> prompt ids (images and errors) of every sound committed part (see `recover`)."""
+    return {part: e["prompt_ids"] for part, e in recover(out_dir).items()}

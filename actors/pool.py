@@ -7,7 +7,11 @@ part name, so that a retry replaces rather than duplicates. Each actor loads the
 two batches in flight, decoded together by continuous batching (generator.py). A killed actor is
 restarted by Ray and its in-flight batches retried (max_restarts /
 max_task_retries); a batch that keeps killing its actor is written as error rows after
-`max_actor_restarts + 1` attempts, and the job goes on.
+`max_actor_restarts + 1` attempts, and the job goes on. A lost node's actors are dropped from the
+pool and their batches go to the others without counting as attempts (Ray would restart them only
+where there is room, and may wait forever). An OutDirError (disk full, read-only, permission) stops
+the job at once: no retry can fix it. A `stop` (SIGTERM, workflows/lock.py) ends the queue; in-flight
+batches may finish until its deadline, then the actors are killed (their parts stay uncommitted).
 """
 from __future__ import annotations
 
@@ -22,10 +26,12 @@ import ray
 from ray.exceptions import RayActorError, RayTaskError
 
 from actors.generator import Generator, PartResult
-from actors.output import ERROR_SCHEMA, IMAGE_SCHEMA, TOKEN_SCHEMA, append_manifest, write_part
+from actors.output import (ERROR_SCHEMA, IMAGE_SCHEMA, TOKEN_SCHEMA, OutDirError, append_manifest, check_part,
+                           manifest_entry, write_part)
 
 log = logging.getLogger("arspec.job")
 IN_FLIGHT_PER_ACTOR = 2
+NODE_CHECK_S = 2.0          # how often the driver looks for lost nodes
 
 
 def part_name(items: list[dict]) -> str:
@@ -59,13 +65,45 @@ class Progress:
 def _error_part(out_dir: Path, part: str, items: list[dict], engine: str, reason: str) -> PartResult:
     rows = [{"prompt_id": it["prompt_id"], "prompt": it["prompt"], "seed": it["seed"], "engine": engine,
              "error": reason, "part": part} for it in items]
-    write_part(out_dir, part, IMAGE_SCHEMA.empty_table(), TOKEN_SCHEMA.empty_table(),
-               pa.Table.from_pylist(rows, schema=ERROR_SCHEMA))
+    files = write_part(out_dir, part, IMAGE_SCHEMA.empty_table(), TOKEN_SCHEMA.empty_table(),
+                       pa.Table.from_pylist(rows, schema=ERROR_SCHEMA))
     return PartResult(part, [it["prompt_id"] for it in items], 0, len(items), acceptance="",
-                      error_messages=[reason] * len(items))
+                      error_messages=[reason] * len(items), files=files)
 
 
-def run_batches(cfg, out_dir: Path, batches: list[list[dict]], progress: Progress) -> list[PartResult]:
+def _record(out_dir: Path, res: PartResult) -> None:
+    """The part's manifest line, with its files' sizes, rows and checksums (read back if not reported)."""
+    files = res.files or check_part(out_dir, res.part, None, full=True)[1]["files"]
+    append_manifest(out_dir, manifest_entry(res.part, res.prompt_ids, res.images, res.errors, files))
+
+
+class NodeWatch:
+    """Which actor runs on which node (each actor's first call answers it), and which nodes died."""
+
+    def __init__(self):
+        self.where, self.node, self.checked = {}, {}, time.time()
+
+    def track(self, a: int, actor) -> None:
+        self.where[a] = actor.node.remote()
+        self.node.pop(a, None)
+
+    def lost(self, actors: list) -> list[int]:
+        """Indices of live actors whose node is dead (looked up every NODE_CHECK_S)."""
+        if time.time() - self.checked < NODE_CHECK_S:
+            return []
+        self.checked = time.time()
+        for a, ref in list(self.where.items()):
+            if ray.wait([ref], timeout=0)[0]:
+                try:
+                    self.node[a] = ray.get(ref)
+                except (RayActorError, RayTaskError):
+                    pass
+                del self.where[a]
+        dead = {n["NodeID"] for n in ray.nodes() if not n["Alive"]}
+        return [a for a, n in self.node.items() if n in dead and actors[a] is not None]
+
+
+def run_batches(cfg, out_dir: Path, batches: list[list[dict]], progress: Progress, stop=None) -> list[PartResult]:
     c = cfg.cluster
     actor_cls = ray.remote(Generator).options(
         num_cpus=c.num_cpus_per_actor, num_gpus=c.num_gpus_per_actor,
@@ -73,35 +111,64 @@ def run_batches(cfg, out_dir: Path, batches: list[list[dict]], progress: Progres
         max_concurrency=IN_FLIGHT_PER_ACTOR + 1)          # its parts share the engine's rows (generator.py)
     n = max(1, min(c.num_actors, len(batches)))
     actors = [actor_cls.remote(cfg, str(out_dir)) for _ in range(n)]
-    queue, attempts, inflight, results = deque(enumerate(batches)), {}, {}, []
+    queue, attempts, inflight, results, lost = deque(enumerate(batches)), {}, {}, [], set()
+    nodes = NodeWatch()
+    for a in range(n):
+        nodes.track(a, actors[a])
 
     def submit(a: int) -> None:
-        if queue:
+        if queue and actors[a] is not None and not stop:
             i, items = queue.popleft()
             inflight[actors[a].run.remote(part_name(items), items)] = (a, i, actors[a])
 
     for a in range(n):
         for _ in range(IN_FLIGHT_PER_ACTOR):
             submit(a)
-    while inflight:
-        (ref,), _ = ray.wait(list(inflight), num_returns=1)
-        a, i, actor = inflight.pop(ref)
+    while inflight or (queue and not stop):
+        if not inflight:   # every actor was lost with its node: start new ones where Ray finds room
+            for a in range(n):
+                actors[a] = actor_cls.remote(cfg, str(out_dir))
+                nodes.track(a, actors[a])
+                submit(a)
+        if stop and time.time() >= stop.deadline:
+            log.warning(f"[generate] grace period over: dropping {len(inflight)} in-flight batch(es), uncommitted")
+            break
+        for a in nodes.lost(actors):
+            log.warning(f"[generate] actor {a} was on a lost node: its batches go to the other actors")
+            lost.add(actors[a])
+            ray.kill(actors[a], no_restart=True)
+            actors[a] = None
+        ready, _ = ray.wait(list(inflight), num_returns=1, timeout=1.0)
+        if not ready:
+            continue
+        a, i, actor = inflight.pop(ready[0])
         try:
-            res = ray.get(ref)
+            res = ray.get(ready[0])
         except (RayActorError, RayTaskError) as e:
+            if isinstance(getattr(e, "cause", None), OutDirError):
+                raise e.cause from None         # disk full, read-only, permission: no retry can help
+            if actor in lost:                   # its node died: not the batch's fault
+                queue.appendleft((i, batches[i]))
+                submit(next((b for b in range(n) if actors[b] is not None), a))
+                continue
             attempts[i] = attempts.get(i, 0) + 1
             reason = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300]}"
             log.warning(f"batch {part_name(batches[i])} failed (attempt {attempts[i]}): {reason}")
             if isinstance(e, RayActorError) and actors[a] is actor:  # restarts used up: replace it
                 ray.kill(actor, no_restart=True)
                 actors[a] = actor_cls.remote(cfg, str(out_dir))
+                nodes.track(a, actors[a])
             if attempts[i] <= c.max_actor_restarts:
                 queue.appendleft((i, batches[i]))
                 submit(a)
                 continue
             res = _error_part(out_dir, part_name(batches[i]), batches[i], cfg.engine.name, reason)
-        append_manifest(out_dir, res.part, res.prompt_ids, res.images, res.errors)
+        _record(out_dir, res)
         results.append(res)
         progress.update(res)
         submit(a)
+    if stop:
+        for actor in actors:
+            if actor is not None:
+                ray.kill(actor, no_restart=True)
     return results

@@ -44,6 +44,8 @@ class ClusterConfig:
     local_num_cpus: Optional[int] = None  # logical CPUs of the local Ray; null = enough for the actors
     max_actor_restarts: int = 3
     torch_threads: Optional[int] = None   # null = num_cpus_per_actor
+    grace_s: float = 20.0                 # on SIGTERM: in-flight parts may finish this long, then exit 143
+    lock_timeout_s: float = 60.0          # a lock on out_dir whose owner is silent this long is taken over
 
 
 @dataclass
@@ -54,6 +56,7 @@ class GenerateConfig:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     seed: int = 0
     out_dir: str = "runs/${model.name}/${engine.name}"
+    verify: str = "quick"                 # on start, committed parts: quick (sizes, footers) | full (+ checksums)
 
 
 def register() -> None:

@@ -11,6 +11,7 @@ import json
 import logging
 import math
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -43,12 +44,21 @@ def _flat(d: dict, prefix: str = "") -> dict:
 
 
 def check_out_dir(out_dir: Path, fp: dict) -> None:
+    """job.json records `fp` (written atomically: actors/output.py); a rerun must match it."""
+    from actors.output import OutDirError, write_bytes_atomic
     path = out_dir / "job.json"
-    if not path.exists():
-        out_dir.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(fp, indent=2))
+    try:
+        old = json.loads(path.read_text()) if path.exists() else None
+    except (ValueError, UnicodeDecodeError) as e:
+        if any((out_dir / "images").glob("*.parquet")):
+            raise OutDirError(f"{path} is damaged ({str(e)[:80]}) and out_dir holds committed parts made with the "
+                              f"settings it recorded: restore it, or use a new out_dir") from None
+        log.warning(f"[generate] {path} is damaged ({str(e)[:80]}) and no part is committed: writing it again")
+        old = None
+    if old is None:
+        write_bytes_atomic(json.dumps(fp, indent=2).encode(), path, "job.json")
         return
-    old, new = _flat(json.loads(path.read_text())), _flat(fp)
+    old, new = _flat(old), _flat(fp)
     if old.get("bytes_version") != new["bytes_version"]:
         raise ConfigError(f"out_dir={out_dir} was written by a version of arspec that samples differently "
                           f"(bytes_version {old.get('bytes_version', 1)}, this one {new['bytes_version']}); "
@@ -69,6 +79,11 @@ def validate(c: GenerateConfig, prompts: list = ()) -> None:
     for key in ("num_actors", "batch_size"):
         if getattr(cl, key) is not None and getattr(cl, key) < 1:
             raise ConfigError(f"cluster.{key}={getattr(cl, key)}: must be >= 1")
+    if c.verify not in ("quick", "full"):
+        raise ConfigError(f"verify={c.verify}: choose quick (sizes and Parquet footers) or full (also checksums)")
+    if cl.grace_s < 0 or cl.lock_timeout_s <= 0:
+        raise ConfigError(f"cluster.grace_s={cl.grace_s} / cluster.lock_timeout_s={cl.lock_timeout_s}: "
+                          f"must be >= 0 / > 0")
     if cl.num_cpus_per_actor <= 0 and cl.num_gpus_per_actor <= 0:
         raise ConfigError("cluster.num_cpus_per_actor and cluster.num_gpus_per_actor are both 0: give actors a slot")
     try:
@@ -145,18 +160,26 @@ def summarize(results: list, c: GenerateConfig, total: int, already: int, second
 
 
 def run(cfg: DictConfig) -> dict:
-    from actors.output import committed, reconcile_manifest
-    from actors.pool import Progress, run_batches
-    from decoding.sampling import prompt_seed
+    from workflows.lock import OutDirLock, Stop, on_sigterm
     from workflows.prompts import read_prompts
 
     c: GenerateConfig = to_object(cfg)
     items = read_prompts(c.data)
     validate(c, [it["prompt"] for it in items])
     out_dir = Path(c.out_dir)
+    stop = Stop(c.cluster.grace_s)
+    with on_sigterm(stop), OutDirLock(out_dir, c.cluster.lock_timeout_s, stop):   # workflows/lock.py
+        return _generate(c, items, out_dir, stop)
+
+
+def _generate(c: GenerateConfig, items: list[dict], out_dir: Path, stop) -> dict:
+    from actors.output import recover, write_bytes_atomic
+    from actors.pool import Progress, run_batches
+    from decoding.sampling import prompt_seed
+    from workflows.lock import Preempted
+
     check_out_dir(out_dir, fingerprint(c))
-    parts = committed(out_dir)
-    reconcile_manifest(out_dir, parts)
+    parts = {p: e["prompt_ids"] for p, e in recover(out_dir, c.verify).items()}   # quarantines damaged parts
     done = {pid for ids in parts.values() for pid in ids}
     pending = [{**it, "seed": prompt_seed(c.seed, it["prompt_id"])} for it in items if it["prompt_id"] not in done]
     already = len(items) - len(pending)
@@ -164,30 +187,41 @@ def run(cfg: DictConfig) -> dict:
              f"with engine={c.engine.name}")
     t0 = time.time()
     results, ray_start_s = [], 0.0
-    if pending:
+    if pending and not stop:
         bs = c.cluster.batch_size
         batches = [pending[i:i + bs] for i in range(0, len(pending), bs)]
         started = start_ray(c.cluster)
+        stop.catch_sigterm()   # again: ray.init's core worker replaced the handler with one that aborts
         ray_start_s = time.time() - t0
         if c.cluster.num_actors is None:
             c.cluster.num_actors = actor_slots(c.cluster)
             log.info(f"[generate] cluster.num_actors=null: {c.cluster.num_actors} actor(s), one per slot")
         try:
-            results = run_batches(c, out_dir, batches, Progress(len(items), already))
+            results = run_batches(c, out_dir, batches, Progress(len(items), already), stop)
         finally:
             if started:
                 import ray
                 ray.shutdown()
     summary = summarize(results, c, len(items), already, time.time() - t0, ray_start_s, t0 + ray_start_s)
-    (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    summary["stopped"] = stop.reason
+    write_bytes_atomic(json.dumps(summary, indent=2).encode(), out_dir / "summary.json", "summary.json")
     log.info("[generate] summary " + json.dumps(summary))
+    left = len(pending) - summary["images"] - summary["errors"]
+    if stop and left:
+        raise Preempted(f"[generate] stopped ({stop.reason}): {summary['images'] + summary['errors']} prompts "
+                        f"committed in this run, {left} left; rerun the same command to finish")
     return summary
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="generate")
 @one_line_errors
 def main(cfg: DictConfig) -> dict:
-    return run(cfg)
+    from actors.output import JobExit
+    try:
+        return run(cfg)
+    except JobExit as e:   # out_dir unwritable (3), held by another job (4), stopped by SIGTERM (143)
+        print(f"{e.prefix}{e}", file=sys.stderr)
+        sys.exit(e.code)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,396 @@
+"""Reliability of the job (issue 18): a crash at every write boundary, damaged parts, two jobs on one
+out_dir, a full disk / read-only mount / permission denied, SIGTERM, a lost node. Each case ends with
+a rerun that must be exact (every prompt once, no orphan rows, the manifest listing exactly the
+committed parts) and byte-identical to an undisturbed run."""
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import _thread
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+import actors.output as output
+from actors.generator import Generator
+from actors.pool import _record, part_name
+from decoding.sampling import prompt_seed
+from tests.conftest import REPO
+from tests.test_job import TINY, image_bytes, images, job
+from workflows.config import to_object
+from workflows.lock import LockHeld, OutDirLock, Preempted, Stop
+from workflows.prompts import read_prompts
+
+N = 28                                   # prompts of the reference run; every test uses a prefix of them
+TOKENS_PER_IMAGE = 16
+
+
+def args(tiny_weights, out, limit, *extra):
+    return [f"model.weights_dir={tiny_weights}", f"out_dir={out}", *TINY, f"data.limit={limit}", *extra]
+
+
+@pytest.fixture(scope="module")
+def reference(ray_cluster, tiny_weights, tmp_path_factory):
+    """An undisturbed run of the first N prompts: (out_dir, image bytes, token ids per prompt)."""
+    out = tmp_path_factory.mktemp("reference") / "run"
+    job(*args(tiny_weights, out, N, "cluster.batch_size=4"))
+    return out, image_bytes(out), _tokens(out)
+
+
+def _tokens(out: Path) -> dict:
+    t = pq.read_table(out / "tokens").to_pandas().sort_values(["prompt_id", "token_index"])
+    return {pid: g.token_id.tolist() for pid, g in t.groupby("prompt_id")}
+
+
+def assert_exact(out: Path, reference, n: int) -> None:
+    """Every one of the first n prompts exactly once, bytes and tokens identical to the reference, the
+    manifest listing exactly the committed parts, no temporary file left, nothing damaged."""
+    _, ref_bytes, ref_tokens = reference
+    df = images(out)                                   # pq.read_table of the whole directory
+    assert len(df) == n and df.prompt_id.is_unique
+    want = {k: ref_bytes[k] for k in sorted(ref_bytes)[:n]}          # the first n prompts (ids in file order)
+    assert image_bytes(out) == want
+    assert _tokens(out) == {k: ref_tokens[k] for k in want}          # no orphan or duplicate token rows
+    manifest = [json.loads(x) for x in (out / "manifest.jsonl").read_text().splitlines()]
+    assert sorted(e["part"] for e in manifest) == sorted(f.stem for f in (out / "images").glob("*.parquet"))
+    assert sorted(p for e in manifest for p in e["prompt_ids"]) == sorted(df.prompt_id)
+    assert not [f for f in out.rglob("*") if f.name.endswith(".tmp")]
+    parts, damaged = output.inspect(out, "full")
+    assert not damaged and len(parts) == len(manifest)
+
+
+def quarantined(out: Path) -> list[str]:
+    return sorted(str(f.relative_to(out)) for f in (out / "quarantine").rglob("*.parquet"))
+
+
+class Crash(Exception):
+    """What a kill -9 at that moment would leave: the exception stops the writer right there."""
+
+
+@pytest.fixture
+def fault():
+    """Set actors.output.FAULT to crash at one write boundary; reset afterwards."""
+    def at(point):
+        def hook(p):
+            if p == point:
+                raise Crash(p)
+        output.FAULT = hook if point else None
+    yield at
+    output.FAULT = None
+
+
+def typed(tiny_weights, out, limit, *extra):
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        return to_object(compose("generate", overrides=args(tiny_weights, out, limit, *extra)))
+
+
+def pending_items(c) -> list[dict]:
+    return [{**it, "seed": prompt_seed(c.seed, it["prompt_id"])} for it in read_prompts(c.data)]
+
+
+PART_POINTS = [f"{when}:{table}" for table in output.WRITE_ORDER for when in ("before", "mid", "after")]
+
+
+def test_crash_at_every_part_write_boundary_then_rerun_is_exact(reference, tiny_weights, tmp_path, fault, caplog):
+    """Each batch of 2 prompts is stopped at a different boundary of its part: before, in the middle of
+    (half the bytes written) and after each of its three files, then after the part's manifest line and
+    in the middle of it (a torn line; last, as the driver dies there). One rerun must then generate
+    exactly the prompts of the uncommitted parts, quarantine nothing (a crash is not damage) and give
+    the reference's bytes. Writing the images file before the tokens file, or writing straight to the
+    final names, leaves a committed part with a missing or torn file: quarantined, and this test fails."""
+    out = tmp_path / "run"
+    c = typed(tiny_weights, out, N)
+    items = pending_items(c)
+    threads = torch.get_num_threads()
+    gen = Generator(c, str(out))                      # the actor's code, in this process
+    torch.set_num_threads(threads)
+    batches = [items[i:i + 2] for i in range(0, N, 2)]
+    plan = ["ok", "ok", *PART_POINTS, "after:manifest-line", "mid:manifest-line"]
+    for point, batch in zip(plan, batches):
+        fault(point if point in PART_POINTS else None)
+        try:
+            res = gen.run(part_name(batch), batch)
+            fault(point if point != "ok" else None)
+            _record(out, res)
+        except Crash as e:
+            assert str(e) == point
+    fault(None)
+    assert len((out / "manifest.jsonl").read_text().splitlines()) == 4     # 3 whole lines and the torn one
+    caplog.set_level(logging.WARNING, logger="arspec.job")
+    s = job(*args(tiny_weights, out, N, "cluster.batch_size=4"))
+    committed_before = 2 + 2 + 1              # ok, ok, after:images, after:manifest-line, mid:manifest-line
+    assert s["already_done"] == 2 * committed_before and s["images"] == N - 2 * committed_before
+    assert not quarantined(out), f"a crash window left a damaged committed part: {caplog.text}"
+    assert "quarantined" not in caplog.text
+    assert_exact(out, reference, N)
+
+
+@pytest.mark.parametrize("points", [
+    ["before:job.json", "mid:job.json", "after:job.json", "before:manifest", "mid:manifest", "after:manifest"]])
+def test_crash_writing_job_json_or_the_manifest_then_rerun_is_exact(reference, tiny_weights, tmp_path, fault, points):
+    """Each run is stopped at one boundary of job.json (written before anything else) or of the
+    manifest's rewrite on start; the next run must go on and end exact. job.json written in place (the
+    old code) leaves a torn one that stops every later run."""
+    out, n = tmp_path / "run", 8
+    c = typed(tiny_weights, out, n)
+    items = pending_items(c)
+    for point in points:
+        if point == "before:manifest":      # give the manifest rewrite something to lose: 2 committed parts
+            threads = torch.get_num_threads()
+            gen = Generator(c, str(out))
+            torch.set_num_threads(threads)
+            for batch in (items[0:2], items[2:4]):
+                _record(out, gen.run(part_name(batch), batch))
+        fault(point)
+        with pytest.raises(Crash, match=point):
+            job(*args(tiny_weights, out, n, "cluster.batch_size=2"))
+    fault(None)
+    s = job(*args(tiny_weights, out, n, "cluster.batch_size=2"))
+    assert (s["already_done"], s["images"]) == (4, 4)
+    assert json.loads((out / "job.json").read_text())["seed"] == 0
+    assert not quarantined(out)
+    assert_exact(out, reference, n)
+
+
+def _truncate(path: Path) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+
+
+def test_damaged_parts_are_quarantined_and_regenerated(reference, tiny_weights, tmp_path, caplog):
+    """A truncated images file and a truncated tokens file (a failed copy, a bad disk), a byte flipped
+    inside a third part (same size: only verify=full sees it), and a part repeating prompts that
+    another part holds (two jobs once wrote this out_dir). workflows.verify names them and exits 1; the
+    rerun moves each to quarantine/ with a line and regenerates their prompts."""
+    ref_out = reference[0]
+    out = tmp_path / "run"
+    shutil.copytree(ref_out, out)
+    parts = sorted(f.stem for f in (out / "images").glob("*.parquet"))
+    _truncate(out / "images" / f"{parts[0]}.parquet")
+    _truncate(out / "tokens" / f"{parts[1]}.parquet")
+    flip = out / "images" / f"{parts[2]}.parquet"
+    data = bytearray(flip.read_bytes())
+    data[len(data) // 3] ^= 0xFF
+    flip.write_bytes(bytes(data))
+    c = typed(tiny_weights, out, N)
+    threads = torch.get_num_threads()
+    held = set(pq.read_table(out / "images" / f"{parts[3]}.parquet").column("prompt_id").to_pylist())
+    dup = [it for it in pending_items(c) if it["prompt_id"] in held][:2]     # a sound part holds them
+    gen = Generator(c, str(out))
+    torch.set_num_threads(threads)
+    res = gen.run("part-zzzz-repeats", dup)            # sorts after every reference part
+    _record(out, res)
+
+    r = subprocess.run([sys.executable, "-m", "workflows.verify", f"out_dir={out}"], capture_output=True, text=True,
+                       cwd=REPO, timeout=120)
+    assert r.returncode == 1, r.stdout + r.stderr
+    lines = r.stdout.splitlines()
+    assert any(parts[0] in x and "images/" in x and "the manifest recorded" in x for x in lines), r.stdout
+    assert any(parts[1] in x and "tokens/" in x for x in lines), r.stdout
+    assert any("part-zzzz-repeats" in x and "already in" in x for x in lines), r.stdout
+    assert not any(parts[2] in x for x in lines)       # quick: sizes and footers only
+    assert parts[2] in output.inspect(out, "full")[1]   # full: the checksum
+
+    caplog.set_level(logging.WARNING, logger="arspec.job")
+    s = job(*args(tiny_weights, out, N, "cluster.batch_size=4", "verify=full"))
+    assert s["images"] == 12                            # the three damaged parts' prompts
+    for p in (parts[0], parts[1], parts[2], "part-zzzz-repeats"):
+        assert f"quarantined {p}:" in caplog.text
+        assert f"quarantine/images/{p}.parquet" in quarantined(out)
+    assert_exact(out, reference, N)
+    from workflows.verify import main as verify_main
+    assert verify_main([f"out_dir={out}", "verify=full"]) == 0
+
+
+def test_second_job_on_a_held_out_dir_is_refused_naming_the_owner(reference, tiny_weights, tmp_path):
+    out = tmp_path / "run"
+    shutil.copytree(reference[0], out)
+    with OutDirLock(out):
+        with pytest.raises(LockHeld, match=rf"out_dir={out} is in use by the job of pid {os.getpid()} on host "
+                                            rf"{socket.gethostname()} started .* \(heartbeat \d+s ago"):
+            job(*args(tiny_weights, out, N))
+    # another host's job, heartbeat fresh: refused (its pid means nothing here)
+    (out / "job.lock").write_text(json.dumps({"host": "node-b", "pid": 1, "boot_id": "x", "started": "then",
+                                              "token": "t"}))
+    with pytest.raises(LockHeld, match="in use by the job of pid 1 on host node-b"):
+        job(*args(tiny_weights, out, N))
+    assert LockHeld.code == 4
+
+
+def test_dead_or_silent_owner_is_taken_over_with_a_line(reference, tiny_weights, tmp_path, caplog):
+    out = tmp_path / "run"
+    shutil.copytree(reference[0], out)
+    caplog.set_level(logging.WARNING, logger="arspec.job")
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    me = OutDirLock(out).me
+    (out / "job.lock").write_text(json.dumps({**me, "pid": dead.pid, "pid_start": "1", "token": "old"}))
+    s = job(*args(tiny_weights, out, N))
+    assert s["already_done"] == N and f"its lock's owner, the job of pid {dead.pid}" in caplog.text
+    assert "is no longer running" in caplog.text and not (out / "job.lock").exists()
+    # another host, silent past cluster.lock_timeout_s
+    (out / "job.lock").write_text(json.dumps({"host": "node-b", "pid": 1, "boot_id": "x", "started": "t", "token": "b"}))
+    os.utime(out / "job.lock", (time.time() - 120, time.time() - 120))
+    job(*args(tiny_weights, out, N, "cluster.lock_timeout_s=60"))
+    assert re.search(r"pid 1 on host node-b started t, has been silent for 12\ds \(cluster.lock_timeout_s=60\)",
+                     caplog.text), caplog.text
+    assert_exact(out, reference, N)
+
+
+def test_lock_heartbeat_and_a_lock_taken_away_stops_the_job(tmp_path):
+    stop = Stop(grace_s=0)
+    lock = OutDirLock(tmp_path, timeout_s=0.8, stop=stop).acquire()
+    try:
+        os.utime(lock.path, (time.time() - 100, time.time() - 100))
+        time.sleep(0.6)
+        assert time.time() - lock.path.stat().st_mtime < 1          # touched by the heartbeat
+        lock.path.write_text(json.dumps({**lock.me, "token": "someone-else"}))
+        time.sleep(0.6)
+        assert stop.reason == f"another job took over out_dir={tmp_path}"
+    finally:
+        lock.release()
+    assert lock.path.exists()                       # not ours any more: left to its owner
+
+
+def _clean_env():
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS",)}
+    # RAY_ADDRESS=local: start a new Ray even where /tmp/ray/ray_current_cluster names a running one
+    return {**env, "HYDRA_FULL_ERROR": "0", "RAY_USAGE_STATS_ENABLED": "0", "RAY_ADDRESS": "local"}
+
+
+def _namespaces_work() -> bool:
+    try:
+        return subprocess.run(["unshare", "-Urm", "true"], capture_output=True, timeout=30).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+@pytest.mark.skipif(not shutil.which("unshare") or not _namespaces_work(),
+                    reason="needs unshare -Urm (an unprivileged user + mount namespace) for a tiny tmpfs")
+def test_full_disk_and_read_only_mount_fail_in_one_line_and_rerun_completes(reference, tiny_weights, tmp_path):
+    """out_dir on a 120 kB tmpfs (mounted in a user namespace: no root needed): the job stops with one
+    line naming the path and ENOSPC, exit 3, its committed parts sound; the same out_dir moved to a
+    roomy disk completes exactly. Remounted read-only: one line, EROFS, exit 3."""
+    mnt, keep = tmp_path / "mnt", tmp_path / "copied"
+    mnt.mkdir()
+    cli = [sys.executable, "-m", "workflows.generate", f"model.weights_dir={tiny_weights}", *TINY,
+           "cluster.batch_size=2", "cluster.num_actors=1", "cluster.local_num_cpus=1",
+           f"hydra.run.dir={tmp_path / 'hydra'}"]
+    q = lambda a: " ".join(f"'{x}'" for x in a)  # noqa: E731
+    script = f"""
+        mount -t tmpfs -o size=120k tmpfs {mnt} || exit 90
+        {q(cli)} data.limit={N} out_dir={mnt}/run > {tmp_path}/full.out 2> {tmp_path}/full.err
+        echo $? > {tmp_path}/full.rc
+        cp -a {mnt}/run {keep}
+        mount -o remount,ro {mnt} || exit 91
+        {q(cli)} data.limit=2 out_dir={mnt}/ro > /dev/null 2> {tmp_path}/ro.err
+        echo $? > {tmp_path}/ro.rc
+    """
+    r = subprocess.run(["unshare", "-Urm", "sh", "-c", script], cwd=REPO, env=_clean_env(), timeout=400,
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    for name, cause in (("full", "No space left on device (ENOSPC)"), ("ro", "Read-only file system (EROFS)")):
+        err = (tmp_path / f"{name}.err").read_text()
+        lines = [x for x in err.splitlines() if x.strip() and not x.startswith("(")]   # "(Actor pid=..)": Ray's
+        assert (tmp_path / f"{name}.rc").read_text().strip() == "3", err
+        assert lines[-1].startswith(f"error: cannot write {mnt}/") and cause in lines[-1], err
+        assert "Traceback" not in err, err
+    parts, damaged = output.inspect(keep, "full")
+    assert parts and not damaged                                   # committed parts intact
+    s = job(*args(tiny_weights, keep, N, "cluster.batch_size=2"))
+    assert s["already_done"] == sum(len(e["prompt_ids"]) for e in parts.values()) < N
+    assert_exact(keep, reference, N)
+
+
+def test_permission_denied_is_one_line_naming_the_path(reference, tiny_weights, tmp_path, fault):
+    """(As root, permissions cannot be denied for real here: the writer's own OSError is injected.)"""
+    def deny(p):
+        if p == "mid:job.json":
+            raise PermissionError(errno.EACCES, "Permission denied")
+    output.FAULT = deny
+    with pytest.raises(output.OutDirError) as e:
+        job(*args(tiny_weights, tmp_path / "run", 2))
+    assert str(e.value).startswith(f"cannot write {tmp_path / 'run' / 'job.json'}: Permission denied (EACCES); "
+                                   "committed parts are intact")
+    assert e.value.code == 3 and "\n" not in str(e.value)
+
+
+def test_sigterm_stops_within_grace_and_rerun_is_exact(reference, tiny_weights, tmp_path):
+    """SIGTERM mid-job (what spot instances and schedulers send): no new batches, in-flight ones get
+    cluster.grace_s (0 here: dropped at once), then Preempted (exit 143). The rerun completes exactly."""
+    out = tmp_path / "run"
+    unhandled = []
+    previous = signal.signal(signal.SIGTERM, lambda *_: unhandled.append(1))   # what the job must replace
+
+    def watch():
+        t0 = time.time()
+        while time.time() - t0 < 120:
+            if len(list((out / "images").glob("*.parquet"))) >= 2:
+                os.kill(os.getpid(), signal.SIGTERM)
+                return
+            time.sleep(0.05)
+    th = threading.Thread(target=watch, daemon=True)
+    th.start()
+    try:
+        with pytest.raises(Preempted, match=r"stopped \(SIGTERM\): .* left; rerun the same command"):
+            job(*args(tiny_weights, out, N, "cluster.batch_size=2", "cluster.num_actors=2", "cluster.grace_s=0"))
+    finally:
+        th.join()
+        signal.signal(signal.SIGTERM, previous)
+    assert not unhandled, "SIGTERM reached the default handler: the job did not handle it"
+    assert Preempted.code == 143
+    assert json.loads((out / "summary.json").read_text())["stopped"] == "SIGTERM"
+    assert not (out / "job.lock").exists()
+    done = len(output.inspect(out)[0])
+    assert 2 <= done < N // 2
+    job(*args(tiny_weights, out, N, "cluster.batch_size=2"))
+    assert_exact(out, reference, N)
+
+
+def test_lost_node_its_batches_are_retried_elsewhere(ray_cluster, reference, tiny_weights, tmp_path, caplog):
+    """A third node joins; one actor (2 CPUs) on each node; the node is removed from the cluster mid-job
+    (not only an actor process: its raylet and everything on it). The other nodes are full, so Ray
+    cannot restart its actor: the job must hand its batches to the others and complete."""
+    node = ray_cluster.add_node(num_cpus=2)
+    ray_cluster.wait_for_nodes()
+    out, n = tmp_path / "run", 24
+    removed, finished = [], threading.Event()
+
+    def watch():
+        t0 = time.time()
+        while time.time() - t0 < 120 and not finished.is_set():
+            if len(list((out / "images").glob("*.parquet"))) >= 2:
+                ray_cluster.remove_node(node)
+                removed.append(time.time())
+                break
+            time.sleep(0.05)
+        if not finished.wait(150):
+            _thread.interrupt_main()            # the job hangs: fail instead of waiting forever
+    th = threading.Thread(target=watch, daemon=True)
+    th.start()
+    caplog.set_level(logging.WARNING, logger="arspec.job")
+    try:
+        s = job(*args(tiny_weights, out, n, "cluster.batch_size=2", "cluster.num_actors=3",
+                      "cluster.num_cpus_per_actor=2"))
+    except KeyboardInterrupt:
+        pytest.fail("the job did not finish within 150 s of the node's removal")
+    finally:
+        finished.set()
+        th.join()
+    assert removed, "the node was not removed mid-job"
+    assert "was on a lost node" in caplog.text
+    assert s["errors"] == 0
+    assert_exact(out, reference, n)

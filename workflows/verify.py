@@ -1,0 +1,41 @@
+"""Check an out_dir's committed parts alone: `python -m workflows.verify out_dir=PATH [verify=full]`.
+
+The same check the job makes on start (actors/output.py `inspect`: every file of every committed part
+present, its size and Parquet footer row count as the manifest recorded them; `verify=full` also
+reads every file and compares its sha256). It changes nothing (the job moves damaged parts to
+out_dir/quarantine/ when it resumes). One line per damaged part, a last line with the counts; exits
+0 when every part is sound, 1 when some are damaged, 2 on a bad argument.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+
+def main(argv: list[str]) -> int:
+    from actors.output import inspect
+    args = dict(a.split("=", 1) for a in argv if "=" in a)
+    unknown = sorted(set(args) - {"out_dir", "verify"}) + [a for a in argv if "=" not in a]
+    if unknown or "out_dir" not in args:
+        print(f"error: usage: python -m workflows.verify out_dir=PATH [verify=quick|full] (got {' '.join(argv)})",
+              file=sys.stderr)
+        return 2
+    out_dir, mode = Path(args["out_dir"]), args.get("verify", "quick")
+    if not (out_dir / "job.json").exists():
+        print(f"error: out_dir={out_dir}: no job.json, not a job's out_dir", file=sys.stderr)
+        return 2
+    try:
+        parts, damaged = inspect(out_dir, mode)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    for part, reason in damaged.items():
+        print(f"damaged {part}: {reason}")
+    prompts = sum(len(e["prompt_ids"]) for e in parts.values())
+    print(f"[verify] out_dir={out_dir} verify={mode}: {len(parts)} sound parts ({prompts} prompts), "
+          f"{len(damaged)} damaged" + (" (the job quarantines and regenerates them on its next run)" if damaged else ""))
+    return 1 if damaged else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
