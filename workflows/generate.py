@@ -104,7 +104,9 @@ def start_ray(cl) -> bool:
         ray.init(address=cl.address)
         return True
     need = math.ceil((cl.num_actors or 1) * cl.num_cpus_per_actor)
-    ray.init(num_cpus=cl.local_num_cpus or max(need, os.cpu_count() or 1),
+    # address="local": a private Ray even when a head already runs on this machine (ray.init would attach
+    # to it, and refuse num_cpus)
+    ray.init(address="local", num_cpus=cl.local_num_cpus or max(need, os.cpu_count() or 1),
              num_gpus=None if cl.num_gpus_per_actor else 0, include_dashboard=False)
     return True
 
