@@ -134,3 +134,15 @@ def test_drafts_after_plain_steps_are_as_good_as_after_speculative_ones():
         per_step[tuple(pattern)] = rec["accepted"][spec].sum() / steps
     assert per_step[(12,)] > 1.5                                   # the trained drafter is right often
     assert per_step[(0, 0, 12)] > 0.9 * per_step[(12,)], per_step
+
+
+def test_plain_steps_let_the_budget_try_speculation_again():
+    """After a stretch where nothing was accepted the plan is 0; plain steps observe no acceptance, so
+    the estimate drifts back to the prior and speculation is tried again (a flat region may follow)."""
+    b = Budget(table(lambda R, T: 10.0 + 0.3 * T), max_nodes=8, width=2)
+    for _ in range(30):
+        b.observe("spec", step_ms=15.0, forward_ms=12.0, accepted_by_rank=np.zeros(8))
+    assert b.plan(R=2, prompts=1, pending=1) == 0
+    for _ in range(30):
+        b.observe("plain", step_ms=10.5, forward_ms=10.0)
+    assert b.plan(R=2, prompts=1, pending=1) > 0

@@ -28,7 +28,8 @@ EMA = 0.9
 class Budget:
     def __init__(self, costs: CostTable | None, max_nodes: int, width: int):
         self.costs, self.max, self.width = costs, max_nodes, width
-        self.value = 0.8 ** np.arange(1, max_nodes + 1)     # v_k before anything was observed
+        self.prior = 0.8 ** np.arange(1, max_nodes + 1)     # v_k before anything was observed
+        self.value = self.prior.copy()
         self.calibration = 1.0                               # accepted / drafter's path probability
         self.overhead = {"spec": 0.0, "plain": 0.0}          # ms per step outside the forwards
 
@@ -74,6 +75,9 @@ class Budget:
         if self.fixed:
             return
         self.overhead[kind] = EMA * self.overhead[kind] + (1 - EMA) * max(step_ms - forward_ms, 0.0)
+        if kind == "plain":   # a plain step observes no acceptance: drift back to the prior, so that a batch
+            # that left a hard region tries speculation again (else one bad stretch ends it for good)
+            self.value = EMA * self.value + (1 - EMA) * self.prior
         if accepted_by_rank is not None and len(accepted_by_rank):
             k = len(accepted_by_rank)
             self.value[:k] = EMA * self.value[:k] + (1 - EMA) * accepted_by_rank
