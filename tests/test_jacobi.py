@@ -178,17 +178,24 @@ def test_greedy_reproduces_vanilla_greedy(variant):
     assert sum(r.target_forwards for r in got) < sum(r.target_forwards for r in want)
 
 
-@pytest.mark.parametrize("variant", ["sjd", "mc_sjd", "mc_sjd-gumbel"])
-def test_greedy_on_the_shipped_model(variant):
-    """The shipped shapes model (fp32), two prompts: greedy Jacobi = greedy vanilla, token for token."""
+@pytest.fixture(scope="module")
+def shipped():
+    """The shipped shapes model (fp32), two prompts, and greedy vanilla's tokens for them."""
     from decoding.registry import load_bundle
     from decoding.shapes.family import ShapesConfig
-    bundle = load_bundle(ShapesConfig(dtype="float32", device="cpu"))
+    bundle = tokens_only(load_bundle(ShapesConfig(dtype="float32", device="cpu")))
     cond = bundle.conditions(["a small green star in the center on a blue background",
                               "a small orange star at the top left on a speckled white background"])
-    want = build_engine(bundle, engine_config("vanilla", sampling=dict(temperature=0.0))).generate(cond, [0, 1])
+    want = build(bundle, "vanilla", sampling=dict(temperature=0.0)).generate(cond, [0, 1])
+    return bundle, cond, [r.tokens.tolist() for r in want]
+
+
+@pytest.mark.parametrize("variant", ["sjd", "mc_sjd", "mc_sjd-gumbel"])
+def test_greedy_on_the_shipped_model(shipped, variant):
+    """Greedy Jacobi (window 16) = greedy vanilla on the shipped model, token for token."""
+    bundle, cond, want = shipped
     got = build(bundle, variant, sampling=dict(temperature=0.0), window=16).generate(cond, [0, 1])
-    assert [r.tokens.tolist() for r in got] == [r.tokens.tolist() for r in want]
+    assert [r.tokens.tolist() for r in got] == want
 
 
 @pytest.fixture(scope="module")
