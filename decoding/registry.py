@@ -33,6 +33,9 @@ class Family:
     load: Callable[[ModelConfig, torch.device], ModelBundle]
     sampling: SamplingParams                              # every field set
     scorer: Optional[Callable[[ModelConfig], object]] = None   # prompt adherence, where the family has one
+    # What the job's driver checks without loading weights (checkpoint headers, decoding.checkpoint.
+    # read_header): raises FileNotFoundError / ValueError naming the setting; returns {"drafter": bool}.
+    inspect: Optional[Callable[[ModelConfig], dict]] = None
 
 
 _MODULES = {"shapes": "decoding.shapes.family"}
@@ -57,3 +60,10 @@ def resolve_device(name: str) -> torch.device:
 def load_bundle(cfg: ModelConfig) -> ModelBundle:
     """The bundle `cfg` names, on its device, with its family's sampling defaults."""
     return family(cfg.name).load(cfg, resolve_device(cfg.device))
+
+
+def inspect_model(cfg: ModelConfig) -> Optional[dict]:
+    """The family's header-only check of `cfg` ({"drafter": bool}), or None when the family has none (its
+    files are then first read by the actors that load it)."""
+    fam = family(cfg.name)
+    return fam.inspect(cfg) if fam.inspect else None
