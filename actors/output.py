@@ -97,20 +97,30 @@ def write_part(out_dir: Path, part: str, images: pa.Table, tokens: pa.Table, err
     write_atomic(images, out_dir / "images" / f"{part}.parquet")
 
 
-def committed(out_dir: Path) -> dict[str, list[str]]:
-    """part name -> prompt ids (images and errors) of every committed part, after removing leftovers."""
-    parts = {}
-    for f in sorted((out_dir / "images").glob("*.parquet")):
-        ids = pq.read_table(f, columns=["prompt_id"]).column(0).to_pylist()
-        err = out_dir / "errors" / f.name
-        if err.exists():
-            ids += pq.read_table(err, columns=["prompt_id"]).column(0).to_pylist()
-        parts[f.stem] = ids
+def committed_parts(out_dir: Path) -> list[str]:
+    """Names of the committed parts (an images file is the commit mark), after removing leftovers;
+    reads no file, so a resume costs a directory listing, not every prompt id."""
+    parts = sorted(f.stem for f in (out_dir / "images").glob("*.parquet"))
+    names = set(parts)
     for table in TABLES:
         for f in (out_dir / table).glob("*"):
-            if f.name.endswith(".tmp") or (table != "images" and f.stem not in parts):
+            if f.name.endswith(".tmp") or (table != "images" and f.stem not in names):
                 f.unlink()
     return parts
+
+
+def part_prompt_ids(out_dir: Path, part: str) -> list[str]:
+    """The prompt ids of a committed part (images and errors)."""
+    ids = pq.read_table(out_dir / "images" / f"{part}.parquet", columns=["prompt_id"]).column(0).to_pylist()
+    err = out_dir / "errors" / f"{part}.parquet"
+    if err.exists():
+        ids += pq.read_table(err, columns=["prompt_id"]).column(0).to_pylist()
+    return ids
+
+
+def committed(out_dir: Path) -> dict[str, list[str]]:
+    """part name -> prompt ids (images and errors) of every committed part, after removing leftovers."""
+    return {part: part_prompt_ids(out_dir, part) for part in committed_parts(out_dir)}
 
 
 def append_manifest(out_dir: Path, part: str, prompt_ids: list[str], images: int, errors: int) -> None:
@@ -120,22 +130,25 @@ def append_manifest(out_dir: Path, part: str, prompt_ids: list[str], images: int
         f.write(line + "\n")
 
 
-def reconcile_manifest(out_dir: Path, parts: dict[str, list[str]]) -> None:
-    """Rewrite the manifest to list exactly the committed parts (a driver may have died between a
-    part's commit and its manifest line)."""
+def reconcile_manifest(out_dir: Path, parts) -> None:
+    """Rewrite the manifest to list exactly the committed parts `parts` (names; a driver may have died
+    between a part's commit and its manifest line). Streams the old manifest line by line; only a part
+    with no line has its ids read."""
     path = out_dir / "manifest.jsonl"
-    listed = {}
-    if path.exists():
-        for line in path.read_text().splitlines():
-            try:
-                e = json.loads(line)
-                listed[e["part"]] = e
-            except (json.JSONDecodeError, KeyError):
-                continue  # a torn last line
-    lines = []
-    for part, ids in parts.items():
-        e = listed.get(part) or {"part": part, "images": None, "errors": None, "prompt_ids": ids, "time": None}
-        lines.append(json.dumps(e))
+    want, listed = set(parts), set()
     tmp = path.with_suffix(".jsonl.tmp")
-    tmp.write_text("".join(x + "\n" for x in lines))
+    with open(tmp, "w") as out:
+        if path.exists():
+            with open(path) as f:
+                for line in f:
+                    try:
+                        part = json.loads(line)["part"]
+                    except (json.JSONDecodeError, KeyError, TypeError):
+                        continue  # a torn last line
+                    if part in want and part not in listed:
+                        listed.add(part)
+                        out.write(line if line.endswith("\n") else line + "\n")
+        for part in sorted(want - listed):
+            out.write(json.dumps({"part": part, "images": None, "errors": None,
+                                  "prompt_ids": part_prompt_ids(out_dir, part), "time": None}) + "\n")
     os.replace(tmp, path)

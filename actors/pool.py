@@ -27,10 +27,28 @@ log = logging.getLogger("arspec.job")
 IN_FLIGHT_PER_ACTOR = 2
 
 
+def ids_digest(prompt_ids) -> str:
+    return hashlib.blake2b("\n".join(prompt_ids).encode(), digest_size=8).hexdigest()
+
+
 def part_name(items: list[dict]) -> str:
-    """Deterministic in the batch's prompt ids, so a retried batch rewrites the same part."""
-    digest = hashlib.blake2b("\n".join(it["prompt_id"] for it in items).encode(), digest_size=8).hexdigest()
-    return f"part-{digest}"
+    """`part-START-STOP-DIGEST`: the batch's positions [START, STOP) in the prompt set (its items are
+    consecutive) and a digest of its prompt ids. Deterministic, so a retried batch rewrites the same
+    part; the names alone are the committed-part index a resume reads (docs/design.md, "Prompt streaming")."""
+    start = items[0]["position"]
+    return f"part-{start:010d}-{start + len(items):010d}-{ids_digest(it['prompt_id'] for it in items)}"
+
+
+def part_span(name: str):
+    """-> (start, stop, digest) of a part name, or None for a name without positions."""
+    bits = name.split("-")
+    if len(bits) != 4 or bits[0] != "part" or not (bits[1].isdigit() and bits[2].isdigit()):
+        return None
+    return int(bits[1]), int(bits[2]), bits[3]
+
+
+class ActorStartError(RuntimeError):
+    """The actors could not start (e.g. the model failed to load in them)."""
 
 
 class Progress:
@@ -64,42 +82,56 @@ def _error_part(out_dir: Path, part: str, items: list[dict], engine: str, reason
                       error_messages=[reason] * len(items))
 
 
-def run_batches(cfg, out_dir: Path, batches: list[list[dict]], progress: Progress) -> list[PartResult]:
+def run_batches(cfg, out_dir: Path, batches, progress: Progress, placements: list) -> None:
+    """Run `batches` (an iterator: only the batches in flight are held) on one actor per entry of
+    `placements` (a Ray scheduling strategy, e.g. a placement group bundle, or None), reporting each
+    committed part to `progress.update`."""
     c = cfg.cluster
-    actor_cls = ray.remote(Generator).options(
-        num_cpus=c.num_cpus_per_actor, num_gpus=c.num_gpus_per_actor,
-        max_restarts=c.max_actor_restarts, max_task_retries=c.max_actor_restarts)
-    n = max(1, min(c.num_actors, len(batches)))
-    actors = [actor_cls.remote(cfg, str(out_dir)) for _ in range(n)]
-    queue, attempts, inflight, results = deque(enumerate(batches)), {}, {}, []
+    actor_cls = ray.remote(Generator)
+
+    def spawn(a: int):
+        return actor_cls.options(num_cpus=c.num_cpus_per_actor, num_gpus=c.num_gpus_per_actor,
+                                 max_restarts=c.max_actor_restarts, max_task_retries=c.max_actor_restarts,
+                                 scheduling_strategy=placements[a]).remote(cfg, str(out_dir))
+
+    n = len(placements)
+    actors = [spawn(a) for a in range(n)]
+    try:  # an actor that cannot even start (its model does not load) fails the job in one line
+        ray.get([x.pid.remote() for x in actors])
+    except RayActorError as e:
+        lines = [x for x in str(e).splitlines() if x.strip()]
+        cause = next((x for x in reversed(lines) if "Error" in x and not x.startswith(" ")), lines[-1] if lines else "")
+        raise ActorStartError(f"the generator actors could not start: {cause.strip()[:300]}") from None
+    batches = iter(batches)
+    retry, attempts, inflight = deque(), {}, {}
 
     def submit(a: int) -> None:
-        if queue:
-            i, items = queue.popleft()
-            inflight[actors[a].run.remote(part_name(items), items)] = (a, i, actors[a])
+        items = retry.popleft() if retry else next(batches, None)
+        if items is not None:
+            inflight[actors[a].run.remote(part_name(items), items)] = (a, items, actors[a])
 
     for a in range(n):
         for _ in range(IN_FLIGHT_PER_ACTOR):
             submit(a)
     while inflight:
         (ref,), _ = ray.wait(list(inflight), num_returns=1)
-        a, i, actor = inflight.pop(ref)
+        a, items, actor = inflight.pop(ref)
+        part = part_name(items)
         try:
             res = ray.get(ref)
         except (RayActorError, RayTaskError) as e:
-            attempts[i] = attempts.get(i, 0) + 1
+            attempts[part] = attempts.get(part, 0) + 1
             reason = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300]}"
-            log.warning(f"batch {part_name(batches[i])} failed (attempt {attempts[i]}): {reason}")
+            log.warning(f"batch {part} failed (attempt {attempts[part]}): {reason}")
             if isinstance(e, RayActorError) and actors[a] is actor:  # restarts used up: replace it
                 ray.kill(actor, no_restart=True)
-                actors[a] = actor_cls.remote(cfg, str(out_dir))
-            if attempts[i] <= c.max_actor_restarts:
-                queue.appendleft((i, batches[i]))
+                actors[a] = spawn(a)
+            if attempts[part] <= c.max_actor_restarts:
+                retry.appendleft(items)
                 submit(a)
                 continue
-            res = _error_part(out_dir, part_name(batches[i]), batches[i], cfg.engine.name, reason)
+            res = _error_part(out_dir, part, items, cfg.engine.name, reason)
+        attempts.pop(part, None)
         append_manifest(out_dir, res.part, res.prompt_ids, res.images, res.errors)
-        results.append(res)
         progress.update(res)
         submit(a)
-    return results
