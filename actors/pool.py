@@ -99,9 +99,10 @@ def run_batches(cfg, out_dir: Path, batches, progress: Progress, placements: lis
     try:  # an actor that cannot even start (its model does not load) fails the job in one line
         ray.get([x.pid.remote() for x in actors])
     except RayActorError as e:
-        lines = [x for x in str(e).splitlines() if x.strip()]
-        cause = next((x for x in reversed(lines) if "Error" in x and not x.startswith(" ")), lines[-1] if lines else "")
-        raise ActorStartError(f"the generator actors could not start: {cause.strip()[:300]}") from None
+        lines = [x.strip() for x in str(e).splitlines() if x.strip()]
+        at = max((i for i, x in enumerate(lines) if "Error" in x.split(":")[0]), default=len(lines) - 1)
+        cause = " ".join(lines[at:at + 2])        # the exception raised in the actor's __init__, and its detail
+        raise ActorStartError(f"the generator actors could not start: {cause[:300]}") from None
     batches = iter(batches)
     retry, attempts, inflight = deque(), {}, {}
 
