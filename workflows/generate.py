@@ -249,7 +249,7 @@ def run(cfg: DictConfig) -> dict:
     plan = plan_job(c)
     st, out_dir, cl = plan.stats, Path(c.out_dir), c.cluster
     log.info(f"[generate] {st.prompts} prompts, {st.already} already in {out_dir}, {st.pending} to generate "
-             f"in {st.batches} batches with engine={c.engine.name}")
+             f"in {st.batches} batch(es) with engine={c.engine.name}")
     t0 = time.time()
     tally, ray_start_s, actors = Tally(Progress(st.prompts, st.already)), 0.0, 0
     if st.pending:
@@ -261,11 +261,12 @@ def run(cfg: DictConfig) -> dict:
         pgs = []
         try:
             slots = cluster_slots(cl)
+            asked = f"cluster.num_actors={cl.num_actors}"
             if cl.num_actors is None:
                 cl.num_actors = max(1, slots)
+                asked = f"cluster.num_actors=null: one per slot, {slots} now, at least 1"
                 log.info(f"[generate] cluster.num_actors=null: {cl.num_actors} actor(s), one per slot "
                          f"({_bundle(cl)} each)")
-            asked = f"cluster.num_actors={cl.num_actors}" + (" from null: the slots now" if slots == cl.num_actors else "")
             pgs = place_actors(cl, min(cl.num_actors, st.batches), asked,
                                cl.wait_s if kind != "local" else min(cl.wait_s, LOCAL_WAIT_S))
             actors = len(pgs)
