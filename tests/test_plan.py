@@ -124,3 +124,19 @@ def test_validation_refuses_bad_checkpoints_from_their_headers(tiny_weights, tmp
     shutil.copy(d / "vq.safetensors", d / "gpt.safetensors")
     with pytest.raises(ConfigError, match="gpt.safetensors holds a 'vq' model, expected 'gpt'"):
         validate(d)
+
+
+def test_a_refused_prompt_file_leaves_no_job_json(tmp_path):
+    """The planning pass runs before a new out_dir records its settings, so fixing the file or the setting
+    and rerunning is not refused as 'a different config'."""
+    from workflows.generate import plan_job
+    path = tmp_path / "d.csv"
+    path.write_text("id,prompt\n1,a\n1,b\n")
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        c = to_object(compose("generate", overrides=["data=file", f"data.path={path}", "data.id_column=id",
+                                                     f"out_dir={tmp_path / 'run'}"]))
+    with pytest.raises(ConfigError, match="duplicate ids"):
+        plan_job(c)
+    assert not (tmp_path / "run" / "job.json").exists()
+    c.data.id_column = None
+    assert plan_job(c).stats.pending == 2 and (tmp_path / "run" / "job.json").exists()

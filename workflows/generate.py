@@ -232,13 +232,16 @@ def plan_job(c: GenerateConfig):
     from workflows.plan import CommittedIndex, Plan
     from workflows.prompts import PromptSource
     source = PromptSource(c.data)
-    out_dir = Path(c.out_dir)
-    check_out_dir(out_dir, fingerprint(c))
-    parts = committed_parts(out_dir)
-    reconcile_manifest(out_dir, parts)
+    out_dir, fp = Path(c.out_dir), fingerprint(c)
+    if (out_dir / "job.json").exists():
+        check_out_dir(out_dir, fp)
+    parts = committed_parts(out_dir) if out_dir.is_dir() else []
+    if parts or (out_dir / "manifest.jsonl").exists():
+        reconcile_manifest(out_dir, parts)
     plan = Plan(source, CommittedIndex(out_dir, parts), c.cluster.batch_size, c.seed)
     del parts
     plan.check()
+    check_out_dir(out_dir, fp)   # a new out_dir gets its job.json only once its prompts passed the check
     return plan
 
 
