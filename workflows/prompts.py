@@ -174,17 +174,24 @@ class UniqueIds:
     def __init__(self, source: PromptSource):
         self.source = source
         self.on = source.cfg.name == "file" and source.cfg.id_column is not None
-        self.hashes: list[np.ndarray] = []
+        # one array when the row count is known (Parquet, JSON), else chunks joined at the end
+        self.buf = np.empty(source.total, np.int64) if self.on and source.total is not None else None
+        self.n, self.hashes = 0, []
 
     def add(self, chunk: list[dict]) -> None:
         if self.on:
-            self.hashes.append(np.fromiter((hash(r["prompt_id"]) for r in chunk), np.int64, len(chunk)))
+            h = np.fromiter((hash(r["prompt_id"]) for r in chunk), np.int64, len(chunk))
+            if self.buf is not None:
+                self.buf[self.n:self.n + len(h)] = h
+                self.n += len(h)
+            else:
+                self.hashes.append(h)
 
     def finish(self) -> None:
-        if not self.hashes:
+        if not self.on:
             return
-        h = np.concatenate(self.hashes)
-        self.hashes = []
+        h = self.buf[:self.n] if self.buf is not None else np.concatenate(self.hashes or [np.zeros(0, np.int64)])
+        self.buf, self.hashes = None, []
         h.sort()
         twice = set(h[1:][h[1:] == h[:-1]].tolist())
         del h
