@@ -153,21 +153,21 @@ def _fsync_dir(d: Path) -> None:
         os.close(fd)
 
 
-def write_bytes_atomic(data, path: Path, label: str) -> None:
-    """Write `data` to a temporary name beside `path`, fsync, rename over `path`, fsync the directory.
-    A crash at any moment leaves either the old file (or none) or the whole new one under `path`."""
+def write_chunks_atomic(chunks, path: Path, label: str) -> None:
+    """Write the byte chunks (any iterable, so a large file streams) to a temporary name beside `path`,
+    fsync, rename over `path`, fsync the directory. A crash at any moment leaves either the old file
+    (or none) or the whole new one under `path`."""
     _boundary(f"before:{label}")
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
-    view = memoryview(data)
     with storage(path):
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             with open(tmp, "wb") as f:
-                f.write(view[:len(view) // 2])
-                f.flush()
-                _boundary(f"mid:{label}")
-                f.write(view[len(view) // 2:])
-                f.flush()
+                for i, chunk in enumerate(chunks):
+                    if i == 1:
+                        _boundary(f"mid:{label}")    # the first chunk is written, the rest not yet
+                    f.write(chunk)
+                    f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, path)
         except OSError:
@@ -175,6 +175,32 @@ def write_bytes_atomic(data, path: Path, label: str) -> None:
             raise
         _fsync_dir(path.parent)
     _boundary(f"after:{label}")
+
+
+def write_bytes_atomic(data, path: Path, label: str) -> None:
+    """`data` written atomically (write_chunks_atomic), in two halves so a crash can tear it midway."""
+    view = memoryview(data)
+    write_chunks_atomic((view[:len(view) // 2], view[len(view) // 2:]), path, label)
+
+
+def ids_digest(prompt_ids) -> str:
+    return hashlib.blake2b("\n".join(prompt_ids).encode(), digest_size=8).hexdigest()
+
+
+def part_name(items: list[dict]) -> str:
+    """`part-START-STOP-DIGEST`: the batch's positions [START, STOP) in the prompt set (its items are
+    consecutive) and a digest of its prompt ids. Deterministic, so a retried batch rewrites the same
+    part; the names alone are the committed-part index a resume reads (docs/design.md, "Prompt streaming")."""
+    start = items[0]["position"]
+    return f"part-{start:010d}-{start + len(items):010d}-{ids_digest(it['prompt_id'] for it in items)}"
+
+
+def part_span(name: str):
+    """-> (start, stop, digest) of a part name, or None for a name without positions."""
+    bits = name.split("-")
+    if len(bits) != 4 or bits[0] != "part" or not (bits[1].isdigit() and bits[2].isdigit()):
+        return None
+    return int(bits[1]), int(bits[2]), bits[3]
 
 
 def parquet_bytes(table: pa.Table) -> pa.Buffer:
@@ -199,18 +225,30 @@ def write_part(out_dir: Path, part: str, images: pa.Table, tokens: pa.Table, err
     return files
 
 
-def read_manifest(out_dir: Path) -> dict[str, dict]:
-    """part -> its last manifest line; lines a crash tore (or damage garbled) are skipped."""
+def read_manifest(out_dir: Path) -> dict[str, int]:
+    """part -> the byte offset of its last manifest line (lines a crash tore, or damage garbled, are
+    skipped). Offsets, not entries: a resume of a large job holds a few bytes per part, never every
+    prompt id (docs/design.md, "Prompt streaming"); `manifest_line` reads one entry back."""
     listed = {}
     path = out_dir / "manifest.jsonl"
     if path.exists():
-        for line in path.read_text(errors="replace").splitlines():
-            try:
-                e = json.loads(line)
-                listed[e["part"]] = e
-            except (json.JSONDecodeError, KeyError, TypeError):
-                continue
+        with open(path, "rb") as f:
+            offset = 0
+            for line in f:
+                try:
+                    listed[json.loads(line)["part"]] = offset
+                except (ValueError, KeyError, TypeError):
+                    pass
+                offset += len(line)
     return listed
+
+
+def manifest_line(out_dir: Path, offset: Optional[int]) -> Optional[dict]:
+    if offset is None:
+        return None
+    with open(out_dir / "manifest.jsonl", "rb") as f:
+        f.seek(offset)
+        return json.loads(f.readline())
 
 
 def manifest_entry(part: str, prompt_ids: list[str], images: int, errors: int, files: dict) -> dict:
@@ -308,46 +346,77 @@ def _remove_leftovers(out_dir: Path, parts) -> None:
             f.unlink(missing_ok=True)
 
 
-def inspect(out_dir: Path, verify: str = "quick") -> tuple[dict[str, dict], dict[str, str]]:
+def inspect(out_dir: Path, verify: str = "quick") -> tuple[dict[str, int], dict[str, str]]:
     """Check every committed part (an images file) without changing anything: (sound parts -> their
-    manifest entry, damaged parts -> the reason). Damaged: a file missing, of the wrong size or row
-    count, an unreadable footer, with `verify=full` a checksum differing; or a part repeating prompts
-    of an earlier one (two jobs that once wrote the same out_dir)."""
+    number of prompts, damaged parts -> the reason). Damaged: a file missing, of the wrong size or row
+    count, an unreadable footer, with `verify=full` a checksum differing; or a part whose positions
+    overlap an earlier one's (two jobs that once wrote the same out_dir)."""
     if verify not in VERIFY_MODES:
         raise ValueError(f"verify={verify!r}: choose one of {', '.join(VERIFY_MODES)}")
-    listed, parts, damaged, owner = read_manifest(out_dir), {}, {}, {}
+    return _inspect(out_dir, verify == "full", read_manifest(out_dir))[:2]
+
+
+def _inspect(out_dir: Path, full: bool, listed: dict[str, int]):
+    """-> (sound parts -> prompts, damaged parts -> reason, parts with no sound manifest line -> their
+    entry rebuilt from the files)."""
+    parts, damaged, rebuilt = {}, {}, {}
+    covered, owner = -1, None                  # the furthest position a sound part reaches, and that part
     images_dir = out_dir / "images"
-    for f in sorted(images_dir.glob("*.parquet")) if images_dir.is_dir() else []:
-        reason, entry = check_part(out_dir, f.stem, listed.get(f.stem), verify == "full")
-        if reason is None:
-            repeated = [pid for pid in entry["prompt_ids"] if pid in owner]
-            if repeated:
-                reason = f"{len(repeated)} of its prompts are already in {owner[repeated[0]]} (e.g. {repeated[0]!r})"
+    for f in sorted(images_dir.glob("*.parquet")) if images_dir.is_dir() else []:   # sorted by START
+        entry = manifest_line(out_dir, listed.get(f.stem))
+        reason, checked = check_part(out_dir, f.stem, entry, full)
+        span = part_span(f.stem)
+        if reason is None and span is not None and span[0] < covered:
+            reason = f"its prompts (positions {span[0]}..{span[1] - 1}) are already in {owner}"
         if reason:
             damaged[f.stem] = reason
             continue
-        parts[f.stem] = entry
-        owner.update(dict.fromkeys(entry["prompt_ids"], f.stem))
-    return parts, damaged
+        parts[f.stem] = len(checked["prompt_ids"])
+        if checked is not entry:
+            rebuilt[f.stem] = checked
+        if span is not None and span[1] > covered:
+            covered, owner = span[1], f.stem
+    return parts, damaged, rebuilt
 
 
-def recover(out_dir: Path, verify: str = "quick") -> dict[str, dict]:
+def recover(out_dir: Path, verify: str = "quick") -> dict[str, int]:
     """On start: quarantine the damaged parts (one line each), remove crash leftovers, rewrite the
-    manifest to list exactly the sound committed parts, and return them (part -> manifest entry)."""
-    parts, damaged = inspect(out_dir, verify)
+    manifest to list exactly the sound committed parts, and return them (part -> number of prompts)."""
+    if verify not in VERIFY_MODES:
+        raise ValueError(f"verify={verify!r}: choose one of {', '.join(VERIFY_MODES)}")
+    lines = read_manifest(out_dir)
+    parts, damaged, rebuilt = _inspect(out_dir, verify == "full", lines)
     for part, reason in damaged.items():
         quarantine(out_dir, part, reason)
     _remove_leftovers(out_dir, parts)
-    rewrite_manifest(out_dir, parts)
+    rewrite_manifest(out_dir, parts, lines, rebuilt)
     return parts
 
 
-def rewrite_manifest(out_dir: Path, parts: dict[str, dict]) -> None:
-    """The manifest listing exactly `parts`, written atomically."""
-    data = "".join(json.dumps(e) + "\n" for e in parts.values()).encode()
-    write_bytes_atomic(data, out_dir / "manifest.jsonl", "manifest")
+def rewrite_manifest(out_dir: Path, parts, lines: dict[str, int], rebuilt: dict[str, dict]) -> None:
+    """The manifest listing exactly `parts`, written atomically and streamed: each part's last line is
+    copied from the old manifest (`lines`: offsets), or written from `rebuilt` when it had none."""
+    path = out_dir / "manifest.jsonl"
+    keep = {off for part, off in lines.items() if part in parts and part not in rebuilt}
+
+    def chunks():
+        if keep:
+            with open(path, "rb") as f:
+                offset = 0
+                for line in f:
+                    if offset in keep:
+                        yield line if line.endswith(b"\n") else line + b"\n"
+                    offset += len(line)
+        for part, e in rebuilt.items():
+            if part in parts:
+                yield (json.dumps(e) + "\n").encode()
+        yield b""      # at least two chunks, so the fault hook's "mid" point exists
+        yield b""
+    write_chunks_atomic(chunks(), path, "manifest")
 
 
 def committed(out_dir: Path) -> dict[str, list[str]]:
-    """part name -> prompt ids (images and errors) of every sound committed part (see `recover`)."""
-    return {part: e["prompt_ids"] for part, e in recover(out_dir).items()}
+    """part name -> prompt ids (images and errors) of every sound committed part, read from the
+    manifest after `recover` (for tests and small jobs: it holds every id)."""
+    parts = recover(out_dir)
+    return {p: manifest_line(out_dir, off)["prompt_ids"] for p, off in read_manifest(out_dir).items() if p in parts}

@@ -15,7 +15,6 @@ batches may finish until its deadline, then the actors are killed (their parts s
 """
 from __future__ import annotations
 
-import hashlib
 import logging
 import time
 from collections import deque
@@ -27,17 +26,15 @@ from ray.exceptions import RayActorError, RayTaskError
 
 from actors.generator import Generator, PartResult
 from actors.output import (ERROR_SCHEMA, IMAGE_SCHEMA, TOKEN_SCHEMA, OutDirError, append_manifest, check_part,
-                           manifest_entry, write_part)
+                           manifest_entry, part_name, write_part)
 
 log = logging.getLogger("arspec.job")
 IN_FLIGHT_PER_ACTOR = 2
 NODE_CHECK_S = 2.0          # how often the driver looks for lost nodes
 
 
-def part_name(items: list[dict]) -> str:
-    """Deterministic in the batch's prompt ids, so a retried batch rewrites the same part."""
-    digest = hashlib.blake2b("\n".join(it["prompt_id"] for it in items).encode(), digest_size=8).hexdigest()
-    return f"part-{digest}"
+class ActorStartError(RuntimeError):
+    """The actors could not start (e.g. the model failed to load in them)."""
 
 
 class Progress:
@@ -103,31 +100,62 @@ class NodeWatch:
         return [a for a, n in self.node.items() if n in dead and actors[a] is not None]
 
 
-def run_batches(cfg, out_dir: Path, batches: list[list[dict]], progress: Progress, stop=None) -> list[PartResult]:
+def _start_error(e: RayActorError) -> ActorStartError:
+    lines = [x.strip() for x in str(e).splitlines() if x.strip()]
+    at = max((i for i, x in enumerate(lines) if "Error" in x.split(":")[0]), default=len(lines) - 1)
+    cause = " ".join(lines[at:at + 2])        # the exception raised in the actor's __init__, and its detail
+    return ActorStartError(f"the generator actors could not start: {cause[:300]}")
+
+
+def run_batches(cfg, out_dir: Path, batches, progress, placements: list, stop=None) -> None:
+    """Run `batches` (an iterator: only the batches in flight are held, workflows/plan.py) on one actor
+    per entry of `placements` (a Ray scheduling strategy, e.g. a placement group bundle, or None),
+    reporting each committed part to `progress.update`."""
     c = cfg.cluster
-    actor_cls = ray.remote(Generator).options(
-        num_cpus=c.num_cpus_per_actor, num_gpus=c.num_gpus_per_actor,
-        max_restarts=c.max_actor_restarts, max_task_retries=c.max_actor_restarts,
-        max_concurrency=IN_FLIGHT_PER_ACTOR + 1)          # its parts share the engine's rows (generator.py)
-    n = max(1, min(c.num_actors, len(batches)))
-    actors = [actor_cls.remote(cfg, str(out_dir)) for _ in range(n)]
-    queue, attempts, inflight, results, lost = deque(enumerate(batches)), {}, {}, [], set()
+    actor_cls = ray.remote(Generator)
+
+    def spawn(a: int):
+        return actor_cls.options(num_cpus=c.num_cpus_per_actor, num_gpus=c.num_gpus_per_actor,
+                                 max_restarts=c.max_actor_restarts, max_task_retries=c.max_actor_restarts,
+                                 max_concurrency=IN_FLIGHT_PER_ACTOR + 1,   # its parts share the engine's rows
+                                 scheduling_strategy=placements[a]).remote(cfg, str(out_dir))
+
+    n = len(placements)
+    actors = [spawn(a) for a in range(n)]
+    try:  # an actor that cannot even start (its model does not load) fails the job in one line
+        ray.get([x.pid.remote() for x in actors])
+    except RayActorError as e:
+        raise _start_error(e) from None
+    batches = iter(batches)
+    retry, attempts, inflight, lost = deque(), {}, {}, set()
     nodes = NodeWatch()
     for a in range(n):
         nodes.track(a, actors[a])
 
     def submit(a: int) -> None:
-        if queue and actors[a] is not None and not stop:
-            i, items = queue.popleft()
-            inflight[actors[a].run.remote(part_name(items), items)] = (a, i, actors[a])
+        if actors[a] is None or stop:
+            return
+        items = retry.popleft() if retry else next(batches, None)
+        if items is not None:
+            inflight[actors[a].run.remote(part_name(items), items)] = (a, items, actors[a])
+
+    def more() -> bool:   # batches left to submit (peeks the iterator)
+        nonlocal batches
+        if retry:
+            return True
+        nxt = next(batches, None)
+        if nxt is None:
+            return False
+        retry.append(nxt)
+        return True
 
     for a in range(n):
         for _ in range(IN_FLIGHT_PER_ACTOR):
             submit(a)
-    while inflight or (queue and not stop):
+    while inflight or (not stop and more()):
         if not inflight:   # every actor was lost with its node: start new ones where Ray finds room
             for a in range(n):
-                actors[a] = actor_cls.remote(cfg, str(out_dir))
+                actors[a] = spawn(a)
                 nodes.track(a, actors[a])
                 submit(a)
         if stop and time.time() >= stop.deadline:
@@ -141,34 +169,34 @@ def run_batches(cfg, out_dir: Path, batches: list[list[dict]], progress: Progres
         ready, _ = ray.wait(list(inflight), num_returns=1, timeout=1.0)
         if not ready:
             continue
-        a, i, actor = inflight.pop(ready[0])
+        a, items, actor = inflight.pop(ready[0])
+        part = part_name(items)
         try:
             res = ray.get(ready[0])
         except (RayActorError, RayTaskError) as e:
             if isinstance(getattr(e, "cause", None), OutDirError):
                 raise e.cause from None         # disk full, read-only, permission: no retry can help
             if actor in lost:                   # its node died: not the batch's fault
-                queue.appendleft((i, batches[i]))
+                retry.appendleft(items)
                 submit(next((b for b in range(n) if actors[b] is not None), a))
                 continue
-            attempts[i] = attempts.get(i, 0) + 1
+            attempts[part] = attempts.get(part, 0) + 1
             reason = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300]}"
-            log.warning(f"batch {part_name(batches[i])} failed (attempt {attempts[i]}): {reason}")
+            log.warning(f"batch {part} failed (attempt {attempts[part]}): {reason}")
             if isinstance(e, RayActorError) and actors[a] is actor:  # restarts used up: replace it
                 ray.kill(actor, no_restart=True)
-                actors[a] = actor_cls.remote(cfg, str(out_dir))
+                actors[a] = spawn(a)
                 nodes.track(a, actors[a])
-            if attempts[i] <= c.max_actor_restarts:
-                queue.appendleft((i, batches[i]))
+            if attempts[part] <= c.max_actor_restarts:
+                retry.appendleft(items)
                 submit(a)
                 continue
-            res = _error_part(out_dir, part_name(batches[i]), batches[i], cfg.engine.name, reason)
+            res = _error_part(out_dir, part, items, cfg.engine.name, reason)
+        attempts.pop(part, None)
         _record(out_dir, res)
-        results.append(res)
         progress.update(res)
         submit(a)
     if stop:
         for actor in actors:
             if actor is not None:
                 ray.kill(actor, no_restart=True)
-    return results

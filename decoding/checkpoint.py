@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -47,6 +48,31 @@ def read_safetensors(path: str | Path) -> tuple[dict, dict]:
         sd = {k: f.get_tensor(k) for k in f.keys()}
     sd = {k: v.float() if v.is_floating_point() else v for k, v in sd.items()}
     return sd, {k: (v if k == "kind" else json.loads(v)) for k, v in meta.items()}
+
+
+def read_header(path: str | Path) -> tuple[dict, dict]:
+    """-> (metadata with JSON values decoded, {tensor name: (dtype, shape)}) of a safetensors file, from
+    its header alone: no tensor is read, so the job's driver checks a multi-GB checkpoint in
+    milliseconds. A file shorter than its header says (a truncated copy) is refused here too."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"checkpoint not found: {path}")
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        n = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
+        if not 2 <= n <= min(size - 8, 100_000_000):
+            raise ValueError(f"{path}: not a safetensors file (no readable header)")
+        try:
+            header = json.loads(f.read(n))
+        except ValueError:
+            raise ValueError(f"{path}: not a safetensors file (its header is not JSON)") from None
+    meta = header.pop("__metadata__", None) or {}
+    end = max((t["data_offsets"][1] for t in header.values()), default=0)
+    if 8 + n + end > size:
+        raise ValueError(f"{path}: truncated: its header describes {8 + n + end} bytes, the file has {size}")
+    meta = {k: (v if k == "kind" else json.loads(v)) for k, v in meta.items()}
+    return meta, {k: (t["dtype"], tuple(t["shape"])) for k, t in header.items()}
 
 
 def load_module(path: str | Path, cls) -> torch.nn.Module:

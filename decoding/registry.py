@@ -33,6 +33,12 @@ class Family:
     load: Callable[[ModelConfig, torch.device], ModelBundle]
     sampling: SamplingParams                              # every field set
     scorer: Optional[Callable[[ModelConfig], object]] = None   # prompt adherence, where the family has one
+    # What the job's driver checks without loading weights (checkpoint headers, decoding.checkpoint.
+    # read_header): raises FileNotFoundError / ValueError naming the setting; returns {"drafter": bool}.
+    inspect: Optional[Callable[[ModelConfig], dict]] = None
+    # Whether the model can take these prompts, from its config alone (class ids for a class-conditional
+    # model): raises ValueError naming the first that it cannot. The driver runs it over the stream.
+    check_prompts: Optional[Callable[[ModelConfig, list], None]] = None
 
 
 _MODULES = {"shapes": "decoding.shapes.family", "llamagen_c2i": "decoding.llamagen.c2i",
@@ -58,3 +64,16 @@ def resolve_device(name: str) -> torch.device:
 def load_bundle(cfg: ModelConfig) -> ModelBundle:
     """The bundle `cfg` names, on its device, with its family's sampling defaults."""
     return family(cfg.name).load(cfg, resolve_device(cfg.device))
+
+
+def inspect_model(cfg: ModelConfig) -> Optional[dict]:
+    """The family's header-only check of `cfg` ({"drafter": bool}), or None when the family has none (its
+    files are then first read by the actors that load it)."""
+    fam = family(cfg.name)
+    return fam.inspect(cfg) if fam.inspect else None
+
+
+def prompt_check(cfg: ModelConfig) -> Optional[Callable[[list], None]]:
+    """The family's prompt check bound to `cfg`, or None when any prompt will do."""
+    fam = family(cfg.name)
+    return None if fam.check_prompts is None else (lambda prompts: fam.check_prompts(cfg, prompts))

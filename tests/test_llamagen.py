@@ -233,24 +233,34 @@ def test_the_job_reports_a_bad_checkpoint_in_one_line(c2i_files, tmp_path):
     assert len(lines) == 1 and lines[0].startswith("error: model.gpt_ckpt=") and "not a readable checkpoint" in lines[0]
 
 
-def test_the_job_refuses_prompts_the_model_cannot_take_before_any_actor_starts(c2i_files):
+def test_the_job_refuses_prompts_the_model_cannot_take_before_any_actor_starts(c2i_files, tmp_path):
     """Text prompts for a class-conditional model (a caption file with model=llamagen_c2i): one line from
-    the driver's validate(), not a traceback per prompt from the actors."""
+    the driver's checking pass over the streamed prompts (no weights loaded), not a traceback per prompt
+    from the actors."""
     from hydra import compose, initialize_config_dir
     from workflows.config import ConfigError, register, to_object
-    from workflows.generate import validate
+    from workflows.generate import plan_job, validate
     register()
     f = c2i_files[1]
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
-        cfg = compose("generate", overrides=["model=llamagen_c2i", f"model.gpt_ckpt={f['gpt']}", f"model.vq_ckpt={f['vq']}",
-                                             "model.dim=64", "model.n_layer=2", "model.n_head=4", "model.codebook_size=128",
-                                             "model.vq_ch=32", "model.vq_z_channels=32", "model.vq_num_res_blocks=1",
-                                             "model.image_size=64", "model.num_classes=10"])
-    c = to_object(cfg)
-    validate(c, ["3", 7])
+    good, bad = tmp_path / "good.json", tmp_path / "bad.json"
+    good.write_text(json.dumps(["3", 7]))
+    bad.write_text(json.dumps(["3", "a red cat"]))
+
+    def config(path, out):
+        with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+            cfg = compose("generate", overrides=[
+                "model=llamagen_c2i", f"model.gpt_ckpt={f['gpt']}", f"model.vq_ckpt={f['vq']}", "model.dim=64",
+                "model.n_layer=2", "model.n_head=4", "model.codebook_size=128", "model.vq_ch=32",
+                "model.vq_z_channels=32", "model.vq_num_res_blocks=1", "model.image_size=64", "model.num_classes=10",
+                "data=file", f"data.path={path}", f"out_dir={tmp_path / out}"])
+        return to_object(cfg)
+    c = config(good, "good")
+    validate(c)
+    assert plan_job(c).stats.pending == 2
     with pytest.raises(ConfigError, match=r"prompt 'a red cat' is not a class id: .* integers 0..9") as e:
-        validate(c, ["3", "a red cat"])
+        plan_job(config(bad, "bad"))
     one_line(e)
+    assert not (tmp_path / "bad" / "job.json").exists()     # refused before the out_dir was claimed
 
 
 # -- presets and the inspector ---------------------------------------------------------------------------

@@ -98,7 +98,7 @@ def typed(tiny_weights, out, limit, *extra):
 
 
 def pending_items(c) -> list[dict]:
-    return [{**it, "seed": prompt_seed(c.seed, it["prompt_id"])} for it in read_prompts(c.data)]
+    return [{**it, "position": i, "seed": prompt_seed(c.seed, it["prompt_id"])} for i, it in enumerate(read_prompts(c.data))]
 
 
 PART_POINTS = [f"{when}:{table}" for table in output.WRITE_ORDER for when in ("before", "mid", "after")]
@@ -188,10 +188,11 @@ def test_damaged_parts_are_quarantined_and_regenerated(reference, tiny_weights, 
     c = typed(tiny_weights, out, N)
     threads = torch.get_num_threads()
     held = set(pq.read_table(out / "images" / f"{parts[3]}.parquet").column("prompt_id").to_pylist())
-    dup = [it for it in pending_items(c) if it["prompt_id"] in held][:2]     # a sound part holds them
+    dup = [it for it in pending_items(c) if it["prompt_id"] in held][-2:]    # a sound part holds them (its last two)
     gen = Generator(c, str(out))
     torch.set_num_threads(threads)
-    res = gen.run("part-zzzz-repeats", dup)            # sorts after every reference part
+    repeats = part_name(dup)                            # its positions lie inside parts[3]'s
+    res = gen.run(repeats, dup)
     _record(out, res)
 
     r = subprocess.run([sys.executable, "-m", "workflows.verify", f"out_dir={out}"], capture_output=True, text=True,
@@ -200,14 +201,14 @@ def test_damaged_parts_are_quarantined_and_regenerated(reference, tiny_weights, 
     lines = r.stdout.splitlines()
     assert any(parts[0] in x and "images/" in x and "the manifest recorded" in x for x in lines), r.stdout
     assert any(parts[1] in x and "tokens/" in x for x in lines), r.stdout
-    assert any("part-zzzz-repeats" in x and "already in" in x for x in lines), r.stdout
+    assert any(repeats in x and f"already in {parts[3]}" in x for x in lines), r.stdout
     assert not any(parts[2] in x for x in lines)       # quick: sizes and footers only
     assert parts[2] in output.inspect(out, "full")[1]   # full: the checksum
 
     caplog.set_level(logging.WARNING, logger="arspec.job")
     s = job(*args(tiny_weights, out, N, "cluster.batch_size=4", "verify=full"))
     assert s["images"] == 12                            # the three damaged parts' prompts
-    for p in (parts[0], parts[1], parts[2], "part-zzzz-repeats"):
+    for p in (parts[0], parts[1], parts[2], repeats):
         assert f"quarantined {p}:" in caplog.text
         assert f"quarantine/images/{p}.parquet" in quarantined(out)
     assert_exact(out, reference, N)
@@ -311,7 +312,7 @@ def test_full_disk_and_read_only_mount_fail_in_one_line_and_rerun_completes(refe
     parts, damaged = output.inspect(keep, "full")
     assert parts and not damaged                                   # committed parts intact
     s = job(*args(tiny_weights, keep, N, "cluster.batch_size=2"))
-    assert s["already_done"] == sum(len(e["prompt_ids"]) for e in parts.values()) < N
+    assert s["already_done"] == sum(parts.values()) < N
     assert_exact(keep, reference, N)
 
 

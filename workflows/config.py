@@ -36,8 +36,12 @@ class DataConfig:
 
 @dataclass
 class ClusterConfig:
-    address: Optional[str] = None         # attach to a running cluster ("auto" or ray://...); null = local Ray
-    num_actors: Optional[int] = None      # null = one per slot: per GPU, or per num_cpus_per_actor CPUs
+    address: Optional[str] = None         # attach to a running cluster ("auto", host:port, ray://...); null = a
+                                          # private local Ray, even when a head runs on this machine
+    num_actors: Optional[int] = None      # null = one per slot the cluster has: per num_gpus_per_actor GPUs, or
+                                          # per num_cpus_per_actor CPUs when actors take no GPU
+    wait_s: float = 60.0                  # how long to wait for the actors to be placed (an autoscaler may add
+                                          # nodes); then run on those placed, or fail in one line if none
     num_cpus_per_actor: float = 1.0
     num_gpus_per_actor: float = 0.0
     batch_size: int = 8

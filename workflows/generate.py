@@ -1,8 +1,10 @@
 """The batch job: `python -m workflows.generate [engine=...] [data=...] [out_dir=...] [seed=...]`.
 
-Reads the prompts, skips those already committed in out_dir, shards the rest into batches and runs
-them on Ray generator actors (a local Ray unless cluster.address is set). Every bad setting fails here,
-before Ray starts, with one line naming the field.
+Streams the prompts, skips those already committed in out_dir, and runs the rest in batches on Ray
+generator actors (docs/design.md, "The job on a cluster"). Every bad setting fails before Ray starts,
+with one line naming the field; the driver reads checkpoint headers only, the actors load the model.
+`cluster.address=null` starts a private local Ray (even when a head runs on this machine); `auto` or an
+address attaches. A request for actors the cluster cannot place is one line after `cluster.wait_s`.
 """
 from __future__ import annotations
 
@@ -17,6 +19,18 @@ from pathlib import Path
 
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
+
+def _token_auth_default() -> None:
+    """Use Ray's token authentication when a token is at hand and RAY_AUTH_MODE is unset: the rule
+    `ray start --head` applies to itself, so a driver on a head started that way can attach. Ray reads
+    RAY_AUTH_MODE when it is imported, hence here, before any import of ray."""
+    if "RAY_AUTH_MODE" not in os.environ and (os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH")
+                                              or (Path.home() / ".ray" / "auth_token").exists()):
+        os.environ["RAY_AUTH_MODE"] = "token"
+
+
+_token_auth_default()
+
 import hydra  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
@@ -25,6 +39,7 @@ from workflows.config import ConfigError, GenerateConfig, cli, one_line_errors, 
 
 log = logging.getLogger("arspec.job")
 register()
+LOCAL_WAIT_S = 10.0   # a private local Ray cannot grow: what it cannot place now it never will
 
 
 def fingerprint(c: GenerateConfig) -> dict:
@@ -70,11 +85,11 @@ def check_out_dir(out_dir: Path, fp: dict) -> None:
                           f"use a new out_dir or the same settings")
 
 
-def validate(c: GenerateConfig, prompts: list = ()) -> None:
-    """Build the model and engine once in the driver: a bad setting, or prompts the model cannot take
-    (text for a class-conditional model), fail before any actor starts."""
-    from decoding.engines import build_engine
-    from decoding.registry import load_bundle
+def validate(c: GenerateConfig) -> None:
+    """Every check that needs no weights: settings, the engine against the model's checkpoint headers
+    (decoding.registry.inspect_model). The model itself is loaded only in the actors."""
+    from decoding.engines import engine_class
+    from decoding.registry import inspect_model
     cl = c.cluster
     for key in ("num_actors", "batch_size"):
         if getattr(cl, key) is not None and getattr(cl, key) < 1:
@@ -84,131 +99,224 @@ def validate(c: GenerateConfig, prompts: list = ()) -> None:
     if cl.grace_s < 0 or cl.lock_timeout_s <= 0:
         raise ConfigError(f"cluster.grace_s={cl.grace_s} / cluster.lock_timeout_s={cl.lock_timeout_s}: "
                           f"must be >= 0 / > 0")
+    if cl.wait_s < 0:
+        raise ConfigError(f"cluster.wait_s={cl.wait_s}: must be >= 0 (seconds to wait for the actors to be placed)")
+    if cl.num_cpus_per_actor < 0 or cl.num_gpus_per_actor < 0:
+        raise ConfigError("cluster.num_cpus_per_actor / num_gpus_per_actor: must be >= 0")
     if cl.num_cpus_per_actor <= 0 and cl.num_gpus_per_actor <= 0:
         raise ConfigError("cluster.num_cpus_per_actor and cluster.num_gpus_per_actor are both 0: give actors a slot")
     try:
-        bundle = load_bundle(dataclasses.replace(c.model, device="cpu"))
-        build_engine(bundle, c.engine)
-        if hasattr(bundle, "check_prompts"):
-            bundle.check_prompts(prompts)
+        info = inspect_model(c.model)
+        engine_class(c.engine.name).check(c.engine, has_drafter=info["drafter"] if info else True)
     except (FileNotFoundError, ValueError) as e:
         raise ConfigError(str(e)) from None
+    if info is None:
+        log.info(f"[generate] model.name={c.model.name}: no header check for this family; the actors load it")
 
 
-def start_ray(cl) -> bool:
-    """Attach to cluster.address, or start a local Ray. Returns whether we started it."""
+def start_ray(cl) -> str | None:
+    """Attach to cluster.address, or start a private local Ray (address="local": never a head that
+    happens to run on this machine, nor RAY_ADDRESS). -> "attached", "local", or None when Ray was
+    already initialized by the caller."""
     import ray
     if ray.is_initialized():
-        return False
+        return None
     if cl.address:
-        ray.init(address=cl.address)
-        return True
+        try:
+            ray.init(address=cl.address)
+        except ConnectionError as e:
+            raise ConfigError(f"cluster.address={cl.address}: cannot connect ({str(e).splitlines()[0]}); start the "
+                              f"cluster (ray start --head), or use cluster.address=null for a local Ray; with token "
+                              f"authentication, give its token (RAY_AUTH_TOKEN or ~/.ray/auth_token)") from None
+        return "attached"
     need = math.ceil((cl.num_actors or 1) * cl.num_cpus_per_actor)
-    # address="local": a private Ray even when a head already runs on this machine (ray.init would attach
-    # to it, and refuse num_cpus)
     ray.init(address="local", num_cpus=cl.local_num_cpus or max(need, os.cpu_count() or 1),
              num_gpus=None if cl.num_gpus_per_actor else 0, include_dashboard=False)
-    return True
+    return "local"
 
 
-def actor_slots(cl) -> int:
-    """cluster.num_actors=null: as many actors as the Ray cluster has slots (GPUs, or CPU groups)."""
+def _bundle(cl) -> dict:
+    return {k: v for k, v in (("CPU", cl.num_cpus_per_actor), ("GPU", cl.num_gpus_per_actor)) if v > 0}
+
+
+def cluster_slots(cl) -> int:
+    """How many actors the cluster's live nodes hold now (cluster.num_actors=null): per node, its GPUs
+    / num_gpus_per_actor and its CPUs / num_cpus_per_actor, whichever is fewer."""
     import ray
-    res = ray.cluster_resources()
-    if cl.num_gpus_per_actor > 0:
-        return max(1, int(res.get("GPU", 0) // cl.num_gpus_per_actor))
-    return max(1, int(res.get("CPU", 1) // cl.num_cpus_per_actor))  # validate() refused 0 CPUs and 0 GPUs
+    return sum(int(min(n["Resources"].get(k, 0) // v for k, v in _bundle(cl).items()))
+               for n in ray.nodes() if n["Alive"])
 
 
-def actor_timeline(results: list, ray_ready: float) -> dict:
+def cluster_has() -> str:
+    import ray
+    nodes = [n["Resources"] for n in ray.nodes() if n["Alive"]]
+    total = {k: sum(r.get(k, 0) for r in nodes) for k in ("CPU", "GPU")}
+    return f"{len(nodes)} node(s) with CPU {total['CPU']:g}, GPU {total['GPU']:g} in all"
+
+
+def place_actors(cl, n: int, asked: str, wait_s: float) -> list:
+    """Reserve one placement-group bundle per actor; wait up to wait_s for them (an autoscaler may add
+    nodes meanwhile). -> the placement groups placed, at least one; none is a ConfigError in one line
+    naming what was asked and what the cluster has."""
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+    bundle = _bundle(cl)
+    pgs = [placement_group([bundle]) for _ in range(n)]
+    refs = {pg.ready(): pg for pg in pgs}
+    ready, _ = ray.wait(list(refs), num_returns=n, timeout=min(1.0, wait_s))
+    if len(ready) < n:
+        log.info(f"[generate] waiting up to cluster.wait_s={wait_s:g} s for {n} actor(s) of {bundle}; "
+                 f"the cluster has {cluster_has()}")
+        ready, _ = ray.wait(list(refs), num_returns=n, timeout=wait_s)
+    placed = [refs[r] for r in ready]
+    for pg in pgs:
+        if pg not in placed:
+            remove_placement_group(pg)
+    what = f"{n} actor(s) of {bundle} asked ({asked})"
+    if not placed:
+        raise ConfigError(f"cluster: {what}, none placed within cluster.wait_s={wait_s:g} s; the cluster has "
+                          f"{cluster_has()}: lower cluster.num_gpus_per_actor / num_cpus_per_actor (cluster=local "
+                          f"runs on CPUs), or add nodes that have them")
+    if len(placed) < n:
+        log.warning(f"[generate] cluster: {what}, {len(placed)} placed within cluster.wait_s={wait_s:g} s "
+                    f"(the cluster has {cluster_has()}): running on {len(placed)} actor(s)")
+    return placed
+
+
+class Tally:
+    """The job's figures, summed as parts commit (nothing per prompt is kept); also the progress line."""
+
+    def __init__(self, progress):
+        self.progress = progress
+        self.images = self.errors = self.tau_n = self.wall_n = 0
+        self.tau = self.wall = self.gen_s = self.write_s = 0.0
+        self.acceptance, self.nodes, self.actors = set(), set(), {}
+
+    def update(self, r) -> None:
+        self.progress.update(r)
+        self.images += r.images
+        self.errors += r.errors
+        self.tau += sum(r.tau)
+        self.tau_n += len(r.tau)
+        self.wall += sum(r.wall_s)
+        self.wall_n += len(r.wall_s)
+        self.gen_s += r.gen_s
+        self.write_s += r.write_s
+        if r.acceptance:
+            self.acceptance.add(r.acceptance)
+        if r.node:
+            self.nodes.add(r.node)
+        if r.started is not None:  # error parts made by the driver carry no actor timing
+            a = self.actors.setdefault((r.node, r.pid), [math.inf, -math.inf, 0.0])
+            a[0], a[1], a[2] = min(a[0], r.started), max(a[1], r.ended), a[2] + r.gen_s + r.write_s
+
+
+def actor_timeline(t: Tally, ray_ready: float) -> dict:
     """From the actors' own clocks: start-up (Ray ready -> an actor's first batch) and idle time (gaps
     between its batches: scheduling, result hand-off), which is what the job adds per image."""
-    by_actor = {}
-    for r in results:
-        if r.started is not None:  # error parts made by the driver carry no actor timing
-            by_actor.setdefault((r.node, r.pid), []).append(r)
-    if not by_actor:
+    if not t.actors:
         return {"actor_start_seconds": None, "idle_seconds": None}
-    starts, idle = [], 0.0
-    for rs in by_actor.values():
-        first, last = min(r.started for r in rs), max(r.ended for r in rs)
-        starts.append(first - ray_ready)
-        idle += max(0.0, (last - first) - sum(r.gen_s + r.write_s for r in rs))
+    starts = [first - ray_ready for first, _, _ in t.actors.values()]
+    idle = sum(max(0.0, (last - first) - busy) for first, last, busy in t.actors.values())
     return {"actor_start_seconds": round(max(starts), 2), "idle_seconds": round(idle, 2)}
 
 
-def summarize(results: list, c: GenerateConfig, total: int, already: int, seconds: float, ray_start_s: float,
-              ray_ready: float) -> dict:
+def summarize(t: Tally, c: GenerateConfig, total: int, already: int, seconds: float, ray_start_s: float,
+              ray_ready: float, actors: int) -> dict:
     """engine_seconds: summed engine time inside the actors; write_seconds: PNG + Parquet; idle_seconds:
     summed gaps between an actor's batches; the rest of `seconds` is Ray and actor start-up."""
-    images = sum(r.images for r in results)
-    errors = sum(r.errors for r in results)
-    taus = [t for r in results for t in r.tau]
-    walls = [w for r in results for w in r.wall_s]
-    gen = sum(r.gen_s for r in results)
-    acceptance = sorted({r.acceptance for r in results if r.acceptance})  # as the engine reports it
+    acceptance = sorted(t.acceptance)  # as the engine reports it
     return {"engine": c.engine.name, "acceptance": acceptance[0] if len(acceptance) == 1 else acceptance or None,
             "prompts": total,
-            "already_done": already, "images": images, "errors": errors, "seconds": round(seconds, 2),
-            "images_per_s": round(images / seconds, 3) if seconds > 0 else None,
-            "mean_accept_len": round(sum(taus) / len(taus), 3) if taus else None,
-            "engine_s_per_image": round(sum(walls) / len(walls), 4) if walls else None,
-            "engine_seconds": round(gen, 2),
-            "write_seconds": round(sum(r.write_s for r in results), 2),
-            "ray_start_seconds": round(ray_start_s, 2), **actor_timeline(results, ray_ready),
-            "num_actors": c.cluster.num_actors, "batch_size": c.cluster.batch_size,
-            "nodes": len({r.node for r in results if r.node}),
+            "already_done": already, "images": t.images, "errors": t.errors, "seconds": round(seconds, 2),
+            "images_per_s": round(t.images / seconds, 3) if seconds > 0 else None,
+            "mean_accept_len": round(t.tau / t.tau_n, 3) if t.tau_n else None,
+            "engine_s_per_image": round(t.wall / t.wall_n, 4) if t.wall_n else None,
+            "engine_seconds": round(t.gen_s, 2),
+            "write_seconds": round(t.write_s, 2),
+            "ray_start_seconds": round(ray_start_s, 2), **actor_timeline(t, ray_ready),
+            "num_actors": c.cluster.num_actors, "actors": actors, "batch_size": c.cluster.batch_size,
+            "nodes": len(t.nodes),
             "out_dir": c.out_dir}
+
+
+def plan_job(c: GenerateConfig, verify: str = "quick"):
+    """The streamed plan of the job and its checking pass (no Ray): what `run` does before Ray starts,
+    and what workflows.bench_plan measures. Damaged parts are quarantined first (actors/output.recover)."""
+    from actors.output import recover
+    from decoding.registry import prompt_check
+    from workflows.plan import CommittedIndex, Plan
+    from workflows.prompts import PromptSource
+    source = PromptSource(c.data)
+    out_dir, fp = Path(c.out_dir), fingerprint(c)
+    if (out_dir / "job.json").exists():
+        check_out_dir(out_dir, fp)
+    parts = recover(out_dir, verify) if out_dir.is_dir() else {}
+    check = prompt_check(c.model)
+    plan = Plan(source, CommittedIndex(out_dir, parts), c.cluster.batch_size, c.seed,
+                check=None if check is None else lambda chunk: check([r["prompt"] for r in chunk]))
+    del parts
+    try:
+        plan.check()
+    except ValueError as e:     # a prompt the model cannot take (text for a class-conditional model)
+        raise ConfigError(f"data: {e}") from None
+    check_out_dir(out_dir, fp)   # a new out_dir gets its job.json only once its prompts passed the check
+    return plan
 
 
 def run(cfg: DictConfig) -> dict:
     from workflows.lock import OutDirLock, Stop, on_sigterm
-    from workflows.prompts import read_prompts
-
     c: GenerateConfig = to_object(cfg)
-    items = read_prompts(c.data)
-    validate(c, [it["prompt"] for it in items])
+    validate(c)
     out_dir = Path(c.out_dir)
     stop = Stop(c.cluster.grace_s)
     with on_sigterm(stop), OutDirLock(out_dir, c.cluster.lock_timeout_s, stop):   # workflows/lock.py
-        return _generate(c, items, out_dir, stop)
+        return _generate(c, out_dir, stop)
 
 
-def _generate(c: GenerateConfig, items: list[dict], out_dir: Path, stop) -> dict:
-    from actors.output import recover, write_bytes_atomic
-    from actors.pool import Progress, run_batches
-    from decoding.sampling import prompt_seed
+def _generate(c: GenerateConfig, out_dir: Path, stop) -> dict:
+    from actors.output import write_bytes_atomic
+    from actors.pool import ActorStartError, Progress, run_batches
     from workflows.lock import Preempted
-
-    check_out_dir(out_dir, fingerprint(c))
-    parts = {p: e["prompt_ids"] for p, e in recover(out_dir, c.verify).items()}   # quarantines damaged parts
-    done = {pid for ids in parts.values() for pid in ids}
-    pending = [{**it, "seed": prompt_seed(c.seed, it["prompt_id"])} for it in items if it["prompt_id"] not in done]
-    already = len(items) - len(pending)
-    log.info(f"[generate] {len(items)} prompts, {already} already in {out_dir}, {len(pending)} to generate "
-             f"with engine={c.engine.name}")
+    plan = plan_job(c, c.verify)
+    st, cl = plan.stats, c.cluster
+    log.info(f"[generate] {st.prompts} prompts, {st.already} already in {out_dir}, {st.pending} to generate "
+             f"in {st.batches} batch(es) with engine={c.engine.name}")
     t0 = time.time()
-    results, ray_start_s = [], 0.0
-    if pending and not stop:
-        bs = c.cluster.batch_size
-        batches = [pending[i:i + bs] for i in range(0, len(pending), bs)]
-        started = start_ray(c.cluster)
+    tally, ray_start_s, actors = Tally(Progress(st.prompts, st.already)), 0.0, 0
+    if st.pending and not stop:
+        import ray
+        from ray.util.placement_group import remove_placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+        kind = start_ray(cl)
         stop.catch_sigterm()   # again: ray.init's core worker replaced the handler with one that aborts
         ray_start_s = time.time() - t0
-        if c.cluster.num_actors is None:
-            c.cluster.num_actors = actor_slots(c.cluster)
-            log.info(f"[generate] cluster.num_actors=null: {c.cluster.num_actors} actor(s), one per slot")
+        pgs = []
         try:
-            results = run_batches(c, out_dir, batches, Progress(len(items), already), stop)
+            slots = cluster_slots(cl)
+            asked = f"cluster.num_actors={cl.num_actors}"
+            if cl.num_actors is None:
+                cl.num_actors = max(1, slots)
+                asked = f"cluster.num_actors=null: one per slot, {slots} now, at least 1"
+                log.info(f"[generate] cluster.num_actors=null: {cl.num_actors} actor(s), one per slot "
+                         f"({_bundle(cl)} each)")
+            pgs = place_actors(cl, min(cl.num_actors, st.batches), asked,
+                               cl.wait_s if kind != "local" else min(cl.wait_s, LOCAL_WAIT_S))
+            actors = len(pgs)
+            run_batches(c, out_dir, plan.batches(), tally, [PlacementGroupSchedulingStrategy(pg, 0) for pg in pgs],
+                        stop)
+        except ActorStartError as e:
+            raise ConfigError(f"model: {e}") from None
         finally:
-            if started:
-                import ray
+            for pg in pgs:
+                remove_placement_group(pg)
+            if kind:
                 ray.shutdown()
-    summary = summarize(results, c, len(items), already, time.time() - t0, ray_start_s, t0 + ray_start_s)
+    summary = summarize(tally, c, st.prompts, st.already, time.time() - t0, ray_start_s, t0 + ray_start_s, actors)
     summary["stopped"] = stop.reason
     write_bytes_atomic(json.dumps(summary, indent=2).encode(), out_dir / "summary.json", "summary.json")
     log.info("[generate] summary " + json.dumps(summary))
-    left = len(pending) - summary["images"] - summary["errors"]
+    left = st.pending - summary["images"] - summary["errors"]
     if stop and left:
         raise Preempted(f"[generate] stopped ({stop.reason}): {summary['images'] + summary['errors']} prompts "
                         f"committed in this run, {left} left; rerun the same command to finish")

@@ -31,7 +31,7 @@ def main(argv: list[str]) -> int:
         return 2
     for part, reason in damaged.items():
         print(f"damaged {part}: {reason}")
-    prompts = sum(len(e["prompt_ids"]) for e in parts.values())
+    prompts = sum(parts.values())
     print(f"[verify] out_dir={out_dir} verify={mode}: {len(parts)} sound parts ({prompts} prompts), "
           f"{len(damaged)} damaged" + (" (the job quarantines and regenerates them on its next run)" if damaged else ""))
     return 1 if damaged else 0

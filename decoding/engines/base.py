@@ -148,20 +148,25 @@ class Engine:
     Config: ClassVar[type] = EngineConfig
     uses_drafter: ClassVar[bool] = False
 
-    def __init__(self, bundle: ModelBundle, cfg: EngineConfig):
-        if type(cfg) is not self.Config:
+    @classmethod
+    def check(cls, cfg: EngineConfig, has_drafter: bool) -> None:
+        """Every refusal that needs no weights (the job's driver calls it on checkpoint headers alone)."""
+        if type(cfg) is not cls.Config:
             raise ValueError(f"engine.name={cfg.name!r} does not match the {type(cfg).__name__} settings: "
                              f"choose the engine with engine={cfg.name}, not engine.name=")
         cfg.validate()
+        if cls.uses_drafter and not has_drafter:
+            raise ValueError(f"engine {cls.name!r} needs a drafter, and the model has none: "
+                             f"train one (python -m workflows.train stages=[drafter]) or use engine=vanilla")
+
+    def __init__(self, bundle: ModelBundle, cfg: EngineConfig):
+        self.check(cfg, bundle.drafter is not None)
         self.bundle, self.cfg = bundle, cfg
         self.sampling = cfg.sampling.over(bundle.sampling)
         self.gpt = bundle.gpt
         a = self.gpt.args
         self.L, self.N, self.G = a.cls_token_num, a.block_size, a.grid_size
         self.device = self.gpt.rope.device
-        if self.uses_drafter and bundle.drafter is None:
-            raise ValueError(f"engine {self.name!r} needs a drafter, and model {bundle.name!r} has none: "
-                             f"train one (python -m workflows.train stages=[drafter]) or use engine=vanilla")
 
     @property
     def acceptance(self) -> str:

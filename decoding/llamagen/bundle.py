@@ -30,6 +30,14 @@ def class_ids(prompts, num_classes: int) -> list[int]:
     return out
 
 
+def captions(prompts) -> list:
+    """Prompts as captions for a text-conditional model, or one ValueError line naming the first that is not."""
+    for p in prompts:
+        if not isinstance(p, str) or not p.strip():
+            raise ValueError(f"prompt {p!r} is empty or not text: this text-conditional model takes captions")
+    return list(prompts)
+
+
 class LlamaGenBundle(ModelBundle):
     def __init__(self, name, vq, gpt, drafter, device, dtype: str, sampling: SamplingParams, t5=None):
         super().__init__(name, vq, gpt, None, drafter, device, dtype, sampling)
@@ -37,14 +45,10 @@ class LlamaGenBundle(ModelBundle):
 
     def check_prompts(self, prompts) -> list:
         """The prompts as this model takes them (class ids for c2i, text for t2i), or one ValueError line
-        naming the first that is not. The job calls it on every prompt before any actor starts."""
+        naming the first that is not. The job's driver makes the same check from the config alone
+        (the families' check_prompts) on every prompt before any actor starts."""
         a = self.gpt.args
-        if a.model_type == "c2i":
-            return class_ids(prompts, a.num_classes)
-        for p in prompts:
-            if not isinstance(p, str) or not p.strip():
-                raise ValueError(f"prompt {p!r} is empty or not text: this text-conditional model takes captions")
-        return list(prompts)
+        return class_ids(prompts, a.num_classes) if a.model_type == "c2i" else captions(prompts)
 
     def conditions(self, prompts) -> Conditions:
         prompts = self.check_prompts(prompts)

@@ -6,8 +6,9 @@ engine.sampling.top_k=0.)
 """
 from __future__ import annotations
 
-from decoding.llamagen.bundle import load as load_llamagen
+from decoding.llamagen.bundle import class_ids, load as load_llamagen
 from decoding.llamagen.config import C2IConfig
+from decoding.llamagen.load import inspect
 from decoding.registry import Family
 from decoding.sampling import SamplingParams
 
@@ -18,4 +19,8 @@ def load(cfg: C2IConfig, device):
     return load_llamagen(cfg, device, SAMPLING)
 
 
-FAMILY = Family("llamagen_c2i", C2IConfig, load, SAMPLING)
+def check_prompts(cfg: C2IConfig, prompts) -> None:
+    class_ids(prompts, cfg.num_classes)
+
+
+FAMILY = Family("llamagen_c2i", C2IConfig, load, SAMPLING, inspect=inspect, check_prompts=check_prompts)

@@ -32,14 +32,18 @@ _HOME = {"gpt_c2i": "model=llamagen_c2i model.gpt_ckpt", "gpt_t2i": "model=llama
          "vq": "model.vq_ckpt", "drafter": "model.drafter_ckpt"}
 
 
-def _materialize(build, sd: dict, what: str, hint: str = "", dtype: Optional[torch.dtype] = None,
-                 buffers: Optional[dict] = None):
+CHECK_ONLY = "check"   # a _materialize dtype: the strict key/shape check alone (inspect), nothing cast or built
+
+
+def _materialize(build, sd: dict, what: str, hint: str = "", dtype=None, buffers: Optional[dict] = None):
     """`build()` on the meta device, `sd` loaded strictly into it (its tensors assigned), the non-persistent
     buffers made real (the RoPE table from the arguments, plus `buffers`), floats cast to `dtype` (None:
-    fp32)."""
+    fp32; CHECK_ONLY: returned as loaded, the tensors still memory-mapped)."""
     with torch.device("meta"):
         m = build()
     load_strict(m, sd, what, hint, assign=True)
+    if dtype is CHECK_ONLY:
+        return m
     a = m.args if isinstance(m, GPT) else m.args.gpt_args() if isinstance(m, Drafter) else None
     if a is not None:
         m.rope = rope_complex(rope_table_2d(a.grid_size, a.head_dim, a.rope_base, a.cls_token_num, a.cond_rope))
@@ -92,7 +96,7 @@ def load_gpt(cfg: LlamaGenConfig, dtype: torch.dtype) -> GPT:
                         f"{describe(a, cfg)}", hint, dtype)
 
 
-def load_vq(cfg: LlamaGenConfig) -> VQModel:
+def load_vq(cfg: LlamaGenConfig, dtype=None) -> VQModel:
     """The VQ tokenizer in fp32 (one decode per image; its codes must not move)."""
     a = vq_args(cfg)
     if not cfg.vq_ckpt:
@@ -110,7 +114,8 @@ def load_vq(cfg: LlamaGenConfig) -> VQModel:
         if d[key] != ours:
             fixes.append(f"model.{'vq_' if key in ('ch', 'z_channels', 'num_res_blocks') else ''}{key}={d[key]}")
     hint = (f"it holds {summary(d)}: set {' '.join(fixes)}; " if fixes else "") + f"see {INSPECT} {cfg.vq_ckpt}"
-    return _materialize(lambda: VQModel(a), sd, f"model.vq_ckpt={cfg.vq_ckpt} ({ck.container})", hint)
+    return _materialize(lambda: VQModel(a), sd, f"model.vq_ckpt={cfg.vq_ckpt} ({ck.container})", hint,
+                        dtype if dtype is CHECK_ONLY else None)
 
 
 # -- drafters --------------------------------------------------------------------------------------------
@@ -186,6 +191,16 @@ def load_drafter(cfg: LlamaGenConfig, gpt: GPT, dtype: torch.dtype) -> Optional[
                      norm_eps=conf.get("rms_norm_eps", 1e-6))   # LANTERN's configs: 1e-6
     return _materialize(lambda: LanternDrafter(a, torch.zeros(t.dim)), sd, f"{where} (EAGLE/LANTERN layout)",
                         dtype=dtype, buffers={"cond_token": own[0].clone()})
+
+
+def inspect(cfg: LlamaGenConfig) -> dict:
+    """What the job's driver checks without loading the model: every file readable, of the right kind,
+    its keys and shapes exactly the configured model's (the loaders' own checks, so the same one-line
+    errors). Torch files are memory-mapped and nothing is cast, so a multi-GB checkpoint costs the driver
+    address space, not memory. -> {"drafter": bool}."""
+    gpt = load_gpt(cfg, CHECK_ONLY)
+    load_vq(cfg, CHECK_ONLY)
+    return {"drafter": load_drafter(cfg, gpt, CHECK_ONLY) is not None}
 
 
 def _metadata(file: Path) -> dict:

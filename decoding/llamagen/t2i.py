@@ -6,8 +6,9 @@ temperature 1, no top-p.
 """
 from __future__ import annotations
 
-from decoding.llamagen.bundle import load as load_llamagen
+from decoding.llamagen.bundle import captions, load as load_llamagen
 from decoding.llamagen.config import T2IConfig
+from decoding.llamagen.load import inspect
 from decoding.registry import Family
 from decoding.sampling import SamplingParams
 
@@ -18,4 +19,8 @@ def load(cfg: T2IConfig, device):
     return load_llamagen(cfg, device, SAMPLING)
 
 
-FAMILY = Family("llamagen_t2i", T2IConfig, load, SAMPLING)
+def check_prompts(cfg: T2IConfig, prompts) -> None:
+    captions(prompts)
+
+
+FAMILY = Family("llamagen_t2i", T2IConfig, load, SAMPLING, inspect=inspect, check_prompts=check_prompts)
