@@ -39,6 +39,7 @@ class Family:
     # Whether the model can take these prompts, from its config alone (class ids for a class-conditional
     # model): raises ValueError naming the first that it cannot. The driver runs it over the stream.
     check_prompts: Optional[Callable[[ModelConfig, list], None]] = None
+    tokens: str = "discrete"                              # or "continuous" (its bundles' `tokens`)
 
 
 _MODULES = {"shapes": "decoding.shapes.family", "llamagen_c2i": "decoding.llamagen.c2i",

@@ -37,17 +37,24 @@ def engine_config(name: str, **settings) -> EngineConfig:
     return cfg
 
 
+def check_tokens(name: str, tokens: str, model: str) -> None:
+    """Engine `name` can serve a model whose tokens are `tokens` ("discrete" or "continuous"), or one
+    ValueError line (the driver checks it from the model family, build_engine from the bundle)."""
+    if tokens == "continuous" and not issubclass(engine_class(name), ContinuousEngine):
+        raise ValueError(f"engine={name} samples discrete tokens and model {model!r} makes continuous ones: "
+                         f"use engine=mar or engine=cspd, or a discrete model (model=shapes)")
+    if tokens != "continuous" and issubclass(engine_class(name), ContinuousEngine):
+        raise ValueError(f"engine {name!r} samples continuous tokens and model {model!r} is discrete: "
+                         f"use model=mar (the continuous shapes models, or MAR checkpoints)")
+
+
 def build_engine(bundle, cfg: EngineConfig) -> Engine:
     """The engine `cfg.name` over `bundle` (settings validated, sampling defaults from the bundle)."""
     if not is_dataclass(cfg):
         raise TypeError(f"build_engine takes an engine config dataclass, not {type(cfg).__name__}")
-    cls = engine_class(cfg.name)
-    kind = getattr(bundle, "tokens", "discrete")
-    if kind == "continuous" and not issubclass(cls, ContinuousEngine):
-        raise ValueError(f"engine={cfg.name} samples discrete tokens and model {bundle.name!r} makes continuous ones: "
-                         f"use engine=mar or engine=cspd, or a discrete model (model=shapes)")
-    return cls(bundle, cfg)
+    check_tokens(cfg.name, getattr(bundle, "tokens", "discrete"), bundle.name)
+    return engine_class(cfg.name)(bundle, cfg)
 
 
-__all__ = ["ENGINES", "Engine", "EngineConfig", "ImageResult", "SamplingParams", "build_engine", "engine_class",
-           "engine_config"]
+__all__ = ["ENGINES", "Engine", "EngineConfig", "ImageResult", "SamplingParams", "build_engine", "check_tokens",
+           "engine_class", "engine_config"]

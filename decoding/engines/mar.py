@@ -70,7 +70,7 @@ class ContinuousEngine(Engine):
             raise ValueError(f"engine.name={cfg.name!r} does not match the {type(cfg).__name__} settings: "
                              f"choose the engine with engine={cfg.name}, not engine.name=")
         cfg.validate()
-        if getattr(bundle, "tokens", "discrete") != "continuous":
+        if getattr(bundle, "tokens", "discrete") != "continuous":   # (build_engine says it first: check_tokens)
             raise ValueError(f"engine {self.name!r} samples continuous tokens and model {bundle.name!r} is discrete: "
                              f"use model=mar (the continuous shapes models, or MAR checkpoints)")
         self.bundle, self.cfg = bundle, cfg

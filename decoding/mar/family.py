@@ -85,6 +85,7 @@ def scorer(cfg: MarConfig):
 # MAR's reference evaluation: linear CFG schedule, temperature 1; the scale depends on the model (MAR-B 2.9,
 # -L 3.0, -H 3.2). The shipped shapes models use 3 as well (not tuned on them: the bench's adherence says
 # how well they follow the caption at it).
-FAMILY = Family("mar", MarConfig, load, SamplingParams(cfg_scale=3.0, temperature=1.0, top_k=0, top_p=1.0), scorer)
+FAMILY = Family("mar", MarConfig, load, SamplingParams(cfg_scale=3.0, temperature=1.0, top_k=0, top_p=1.0), scorer,
+                tokens="continuous")
 
 __all__ = ["FAMILY", "MarConfig", "WEIGHTS", "inspect", "load"]
