@@ -10,7 +10,7 @@ import torch
 from decoding.bundle import Conditions
 from decoding.engines import build_engine, engine_config
 from decoding.engines.base import Request
-from decoding.engines.budget import Budget
+from decoding.engines.budget import FLOOR_EVERY, PROBE_MAX, Budget
 from decoding.engines.cost import CostTable, measure
 from tests.conftest import labels, tiny_bundle
 
@@ -179,13 +179,15 @@ def test_measured_goodput_overrules_an_optimistic_model():
 
 def test_probes_find_an_easy_stretch_and_speculation_resumes():
     """After a hard stretch (plain steps, probes backed off), the image turns easy: a probe measures that
-    speculation pays, and from then on the steps speculate."""
+    speculation pays, and from then on the steps speculate (but for a plain step per FLOOR_EVERY, which
+    keeps the floor's rate fresh)."""
     b = optimistic()
     run(b, HARD, 300)
-    plans = run(b, EASY, 300)
+    plans = run(b, EASY, 400)
     first = next(i for i, K in enumerate(plans) if K > 0)
-    assert first <= 256                                          # no later than the longest back-off
-    assert all(K > 0 for K in plans[first + 1:]) or sum(K == 0 for K in plans[first + 1:]) <= 2, plans
+    assert first <= PROBE_MAX                                    # no later than the longest back-off
+    after = plans[first:]
+    assert sum(K == 0 for K in after) <= len(after) // FLOOR_EVERY + 1, plans
 
 
 def test_measurement_overrules_a_pessimistic_model_too():
@@ -195,7 +197,19 @@ def test_measurement_overrules_a_pessimistic_model_too():
     assert b.model_plan(32, 1) == 0
     plans = run(b, EASY, 40, R=32)
     assert b.model_plan(32, 1) == 0 and plans[0] == 0           # the first step measures the floor
-    assert sum(K > 0 for K in plans[-20:]) == 20, plans
+    assert sum(K > 0 for K in plans[-20:]) >= 19, plans
+
+
+def test_one_noisy_plain_step_does_not_stop_speculation_that_pays():
+    """The plain rate is the hardware's: an EMA over plain steps, not replaced by the latest one. A single
+    plain step measured twice as fast as usual (a quiet moment on a shared machine) leaves it below the
+    speculative rate, and speculation goes on."""
+    b = optimistic()
+    modest = lambda K: PLAIN if K == 0 else (14.0, 1.8)                 # noqa: E731  0.129 vs 0.1 token/ms
+    run(b, modest, 200)
+    plans = run(b, lambda K: (5.0, 1.0) if K == 0 else modest(K), FLOOR_EVERY + 2)   # one fast plain step
+    assert sum(K == 0 for K in plans) == 1
+    assert all(K > 0 for K in run(b, modest, 20))
 
 
 def test_fixed_budget_ignores_measurements():
@@ -258,8 +272,8 @@ def test_a_plain_step_is_vanillas_step(name, tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("name", list(TREES))
 def test_the_auto_budget_mixes_steps_and_commits_vanillas_tokens(name, tmp_path, monkeypatch):
-    """With the default budget (cost model + measured goodput) the first step is plain (it measures the
-    floor) and a probe speculates within PROBE_MIN steps; whatever the mix, the tokens are vanilla's."""
+    """With the default budget (cost model + measured goodput) the first steps are plain (they measure
+    the floor) and a probe speculates within PROBE_MIN steps; whatever the mix, the tokens are vanilla's."""
     monkeypatch.setenv("ARSPEC_CACHE", str(tmp_path))
     bundle = tiny_bundle(vocab=8, grid=4, seed=1, std=0.3)
     ref = build_engine(bundle, engine_config("vanilla", sampling=SAMPLING)).generate(labels(12), range(12))

@@ -23,7 +23,8 @@ per unfinished row per ms, for plain steps and for speculative steps by the buck
 2, 3-4, 5-8, 9-16, ...). Per row, because every row of the cache is computed whether or not it is
 finished, so the ratio of the two kinds does not depend on how many rows are busy. The rule (`plan`):
 
-1. no fresh measurement of plain steps (the first step, or none for STALE steps): a plain step;
+1. the plain step's rate is not known well (the first FLOOR_SAMPLES steps) or not recently (no plain
+   step for FLOOR_EVERY steps): a plain step (at worst 1/FLOOR_EVERY of the steps forgo speculation);
 2. take the model's best K > 0; while its bucket was measured below plain, step down a bucket (a
    smaller tree drafts and verifies less). A bucket measured at or above plain is taken whatever the
    model says; an unmeasured one only if the model expects it to beat a plain step; else the step is
@@ -33,8 +34,9 @@ finished, so the ratio of the two kinds does not depend on how many rows are bus
    any speculative step that pays resets it, so a hard image costs a few probes and an easy stretch is
    still found.
 
-Estimates age with steps, not samples (an estimate untouched for d steps keeps weight EMA**d against a
-new one), so a probe after a long plain stretch speaks for the image as it is now. The floor then holds
+A speculative bucket's estimate ages with steps, not samples (untouched for d steps, it keeps weight
+EMA**d against a new measurement), so a probe after a long plain stretch speaks for the image as it is
+now; the plain rate depends on the hardware only and is a plain EMA over plain steps. The floor then holds
 by measurement: speculation runs only where it was measured to beat the plain step, up to one probe per
 `wait` steps. Plain steps teach v_k nothing (they accept no drafts): v_k keeps its last measured value.
 """
@@ -49,7 +51,7 @@ from decoding.engines.cost import CostTable
 
 EMA = 0.9
 PROBE_MIN, PROBE_MAX = 4, 256    # plain steps before speculation is probed again (doubling on each failure)
-STALE = 512                      # steps after which the plain steps' rate is measured again
+FLOOR_SAMPLES, FLOOR_EVERY = 2, 32  # plain steps measured first, and then at least one per FLOOR_EVERY steps
 
 
 def bucket(K: int) -> int:
@@ -62,15 +64,19 @@ class Goodput:
     """Measured committed tokens per unfinished row per ms, by bucket (0 = plain), for one R."""
     rate: dict = field(default_factory=dict)     # bucket -> EMA of tokens / row / ms
     seen: dict = field(default_factory=dict)     # bucket -> step of its last measurement
+    plain_n: int = 0                             # plain steps measured
     step: int = 0                                # steps planned
     last_spec: int = 0                           # step of the last speculative step
     wait: int = PROBE_MIN                        # steps between probes
     probing: bool = False                        # this step is a probe
 
     def update(self, b: int, rate: float) -> None:
-        old = EMA ** (self.step - self.seen[b]) if b in self.rate else 0.0
+        """A speculative bucket's estimate ages with the steps since it was measured (the image changes);
+        the plain step's does not (its rate is the hardware's, whatever the image)."""
+        old = 0.0 if b not in self.rate else EMA if b == 0 else EMA ** (self.step - self.seen[b])
         self.rate[b] = old * self.rate[b] + (1 - old) * rate if b in self.rate else rate
         self.seen[b] = self.step
+        self.plain_n += b == 0
 
     def below_plain(self, b: int) -> bool:
         return b in self.rate and self.rate[b] < self.rate[0]
@@ -119,7 +125,8 @@ class Budget:
             return self.max
         g = self.goodput(R)
         g.step += 1
-        if 0 not in g.rate or g.step - g.seen[0] > STALE:
+        g.probing = False
+        if g.plain_n < FLOOR_SAMPLES or g.step - g.seen[0] > FLOOR_EVERY:
             return 0                                         # 1. measure the floor
         rates = self.model_rates(R, pending)
         best = K = int(np.argmax(rates[1:])) + 1             # the model's best tree
