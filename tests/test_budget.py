@@ -284,3 +284,27 @@ def test_the_auto_budget_mixes_steps_and_commits_vanillas_tokens(name, tmp_path,
         assert [r.tokens.tolist() for r in out] == [r.tokens.tolist() for r in ref]
     depth = np.stack([r.records["tree_depth"] for r in out])
     assert (depth == 0).any() and (depth > 0).any()
+
+
+def test_the_engine_reports_each_step_to_the_budget_as_planned(tmp_path, monkeypatch):
+    """What the measured goodput is made of: every step reports the K it was planned with (0 = plain)
+    and the tokens it committed per unfinished row (plain: 1; speculative: 1 + accepted drafts), idle
+    and finished rows not counted."""
+    monkeypatch.setenv("ARSPEC_CACHE", str(tmp_path))
+    bundle = tiny_bundle(vocab=8, grid=4, seed=1, std=0.3)
+    engine = build_engine(bundle, engine_config("eagle2", sampling=SAMPLING, **TREES["eagle2"]))
+    plans, seen = [], []
+    plan, observe = engine.budget.plan, engine.budget.observe
+    engine.budget.plan = lambda R, pending: plans.append(plan(R, pending)) or plans[-1]
+    engine.budget.observe = lambda R, K, ms, fwd, tokens=1.0, *a, **k: (seen.append((K, ms, tokens)),
+                                                                        observe(R, K, ms, fwd, tokens, *a, **k))
+    outs = engine.stream([Request(c, i, i) for i, c in enumerate(labels(6).split())], slots=8)   # 2 slots idle
+    out = [o.result for o in outs]
+    assert [K for K, _, _ in seen] == plans and 0 in plans and max(plans) > 0
+    assert all(ms > 0 for _, ms, _ in seen)
+    assert all(t == 1.0 for K, _, t in seen if K == 0)
+    step = np.stack([r.records["step"] for r in out])                  # [prompts, N]: the step of each token
+    for s, (K, _, tokens) in enumerate(seen, start=1):
+        rows = (step == s).any(1)
+        assert tokens == pytest.approx((step == s).sum() / rows.sum()), (s, K)
+    assert max(t for K, _, t in seen if K > 0) > 1.0                   # drafts were accepted
