@@ -10,7 +10,7 @@ import torch
 from decoding.bundle import Conditions
 from decoding.engines import build_engine, engine_config
 from decoding.engines.base import Request
-from decoding.engines.budget import Budget
+from decoding.engines.budget import FLOOR_EVERY, PROBE_MAX, Budget
 from decoding.engines.cost import CostTable, measure
 from tests.conftest import labels, tiny_bundle
 
@@ -33,11 +33,11 @@ def test_speculate_where_verifying_is_cheap_and_not_where_it_is_compute_bound():
     where cost grows with every token per row (a CPU at large batch) takes plain steps."""
     flat = Budget(table(lambda R, T: 10.0 + 0.01 * R * T), max_nodes=16, width=4)
     steep = Budget(table(lambda R, T: 1.0 * R * T), max_nodes=16, width=4)
-    assert flat.plan(R=2, prompts=1, pending=1) >= 8
-    assert steep.plan(R=32, prompts=16, pending=1) == 0
+    assert flat.model_plan(R=2, pending=1) >= 8
+    assert steep.model_plan(R=32, pending=1) == 0
     # batch size decides on one device: a forward of 1 token costs as much as 4 up to 4 rows, then grows
     knee = Budget(table(lambda R, T: 5.0 + 0.5 * max(R * T - 8, 0)), max_nodes=16, width=4)
-    assert knee.plan(R=2, prompts=1, pending=1) > 0 and knee.plan(R=32, prompts=16, pending=1) == 0
+    assert knee.model_plan(R=2, pending=1) > 0 and knee.model_plan(R=32, pending=1) == 0
 
 
 def test_choose_takes_what_the_drafts_are_worth():
@@ -51,7 +51,8 @@ def test_choose_takes_what_the_drafts_are_worth():
 def test_budget_learns_acceptance_and_overhead():
     b = Budget(table(lambda R, T: 10.0), max_nodes=4, width=2)
     for _ in range(50):
-        b.observe("spec", step_ms=15.0, forward_ms=10.0, accepted_by_rank=np.array([1.0, 0.0]), predicted=2.0, accepted=1.0)
+        b.observe(2, 2, step_ms=15.0, forward_ms=10.0, tokens_per_row=2.0, accepted_by_rank=np.array([1.0, 0.0]),
+                  predicted=2.0, accepted=1.0)
     assert b.value[0] > 0.95 and b.value[1] < 0.05 and b.value[3] <= b.value[1]
     assert b.overhead["spec"] == pytest.approx(5.0, rel=0.01) and b.calibration == pytest.approx(0.5, rel=0.02)
 
@@ -69,7 +70,7 @@ TREES = {"eagle2": dict(total_tokens=8, depth=3, width=3),
 def alternate(engine, pattern):
     """Make the engine's budget plan follow `pattern` (0 = plain step), cycling."""
     calls = iter(range(10**9))
-    engine.budget.plan = lambda R, prompts, pending: pattern[next(calls) % len(pattern)]
+    engine.budget.plan = lambda R, pending: pattern[next(calls) % len(pattern)]
 
 
 @pytest.mark.parametrize("name", list(TREES))
@@ -136,13 +137,174 @@ def test_drafts_after_plain_steps_are_as_good_as_after_speculative_ones():
     assert per_step[(0, 0, 12)] > 0.9 * per_step[(12,)], per_step
 
 
-def test_plain_steps_let_the_budget_try_speculation_again():
-    """After a stretch where nothing was accepted the plan is 0; plain steps observe no acceptance, so
-    the estimate drifts back to the prior and speculation is tried again (a flat region may follow)."""
+def run(b: Budget, world, steps: int, R: int = 2) -> list[int]:
+    """Drive the budget's plan/observe loop for `steps` steps in a synthetic world: world(K) -> (ms,
+    tokens per row) of a step planned with K (0 = plain). No clock: the times are the world's. Returns
+    the plans."""
+    plans = []
+    for _ in range(steps):
+        K = b.plan(R, pending=1)
+        ms, tokens = world(K)
+        b.observe(R, K, step_ms=ms, forward_ms=ms, tokens_per_row=tokens)
+        plans.append(K)
+    return plans
+
+
+PLAIN = (10.0, 1.0)                            # a plain step: 10 ms, one token per row: 0.1 token/ms
+HARD = lambda K: PLAIN if K == 0 else (24.0 + K, 2.0)         # noqa: E731  spec 2.4x the time, 2 tokens
+EASY = lambda K: PLAIN if K == 0 else (12.0 + 0.1 * K, 3.5)   # noqa: E731  spec 0.28 token/ms
+
+
+def optimistic() -> Budget:
+    """A model that always expects speculation to pay (verifying is nearly free, drafts all accepted)."""
+    b = Budget(table(lambda R, T: 10.0 + 0.01 * T), max_nodes=16, width=4)
+    b.value[:] = 1.0
+    return b
+
+
+def test_measured_goodput_overrules_an_optimistic_model():
+    """The cost model says speculate; every speculative step measures below a plain step. The budget
+    takes plain steps after a few tries (each bucket once, then probes at doubling intervals), so the
+    tokens per ms stay within a few percent of plain steps alone."""
+    b = optimistic()
+    plans = run(b, HARD, 600)
+    assert b.model_plan(2, 1) > 0                           # the model still believes in speculation
+    spec = [i for i, K in enumerate(plans) if K > 0]
+    assert len(spec) <= 14, spec
+    ms, tokens = zip(*(HARD(K) for K in plans))
+    assert sum(tokens) / sum(ms) >= 0.95 * PLAIN[1] / PLAIN[0]
+    gaps = np.diff(spec[-4:])                                   # the probes back off geometrically
+    assert (np.diff(gaps) > 0).all() and gaps[-1] >= 128, spec
+
+
+def test_probes_find_an_easy_stretch_and_speculation_resumes():
+    """After a hard stretch (plain steps, probes backed off), the image turns easy: a probe measures that
+    speculation pays, and from then on the steps speculate (but for a plain step per FLOOR_EVERY, which
+    keeps the floor's rate fresh)."""
+    b = optimistic()
+    run(b, HARD, 300)
+    plans = run(b, EASY, 400)
+    first = next(i for i, K in enumerate(plans) if K > 0)
+    assert first <= PROBE_MAX                                    # no later than the longest back-off
+    after = plans[first:]
+    assert sum(K == 0 for K in after) <= len(after) // FLOOR_EVERY + 1, plans
+
+
+def test_measurement_overrules_a_pessimistic_model_too():
+    """A cost model that says plain (verifying costs grow with every token) is probed, and when the probe
+    measures that speculation pays, speculation is taken even though the model still says plain."""
+    b = Budget(table(lambda R, T: 1.0 * R * T), max_nodes=8, width=2)
+    assert b.model_plan(32, 1) == 0
+    plans = run(b, EASY, 40, R=32)
+    assert b.model_plan(32, 1) == 0 and plans[0] == 0           # the first step measures the floor
+    assert sum(K > 0 for K in plans[-20:]) >= 19, plans
+
+
+def test_one_noisy_plain_step_does_not_stop_speculation_that_pays():
+    """The plain rate is the hardware's: an EMA over plain steps, not replaced by the latest one. A single
+    plain step measured twice as fast as usual (a quiet moment on a shared machine) leaves it below the
+    speculative rate, and speculation goes on."""
+    b = optimistic()
+    modest = lambda K: PLAIN if K == 0 else (14.0, 1.8)                 # noqa: E731  0.129 vs 0.1 token/ms
+    run(b, modest, 200)
+    plans = run(b, lambda K: (5.0, 1.0) if K == 0 else modest(K), FLOOR_EVERY + 2)   # one fast plain step
+    assert sum(K == 0 for K in plans) == 1
+    assert all(K > 0 for K in run(b, modest, 20))
+
+
+def test_fixed_budget_ignores_measurements():
+    b = Budget(None, max_nodes=6, width=2)
+    assert run(b, HARD, 20) == [6] * 20
+
+
+def test_plain_steps_teach_no_acceptance():
+    """v_k is what speculative steps measured: plain steps leave it alone (a drift back to the prior made
+    the model over-optimistic; probes, not the prior, try speculation again)."""
     b = Budget(table(lambda R, T: 10.0 + 0.3 * T), max_nodes=8, width=2)
     for _ in range(30):
-        b.observe("spec", step_ms=15.0, forward_ms=12.0, accepted_by_rank=np.zeros(8))
-    assert b.plan(R=2, prompts=1, pending=1) == 0
+        b.observe(2, 8, step_ms=15.0, forward_ms=12.0, tokens_per_row=1.0, accepted_by_rank=np.zeros(8))
+    before = b.value.copy()
     for _ in range(30):
-        b.observe("plain", step_ms=10.5, forward_ms=10.0)
-    assert b.plan(R=2, prompts=1, pending=1) > 0
+        b.observe(2, 0, step_ms=10.5, forward_ms=10.0)
+    assert (b.value == before).all() and b.model_plan(2, 1) == 0
+
+
+def aten_ops(fn) -> dict:
+    """{aten op: calls} of fn() (counts, not times: deterministic)."""
+    from collections import Counter
+    from torch.profiler import ProfilerActivity, profile
+    with torch.inference_mode(), profile(activities=[ProfilerActivity.CPU]) as p:
+        fn()
+    return Counter(e.name for e in p.events() if e.name.startswith("aten::"))
+
+
+@pytest.mark.parametrize("name", list(TREES))
+def test_a_plain_step_is_vanillas_step(name, tmp_path, monkeypatch):
+    """A plain step of a tree engine does vanilla's work: the same forward, no drafter, no more reads
+    back from the device (`item`), and beyond vanilla's ops only the append of the root's feature to the
+    drafter's pending buffer (a handful of index ops, whatever the model's size)."""
+    monkeypatch.setenv("ARSPEC_CACHE", str(tmp_path))
+    bundle = tiny_bundle(vocab=8, grid=4, seed=1, std=0.3)
+    cond = labels(8)
+
+    def ready(engine):
+        st = engine._start(8)
+        with torch.inference_mode():
+            engine._admit(st, torch.arange(8), cond, list(range(8)))
+        return st
+
+    van = build_engine(bundle, engine_config("vanilla", sampling=SAMPLING))
+    vst = ready(van)
+    tree = build_engine(bundle, engine_config(name, sampling=SAMPLING, **TREES[name]))
+    tst = ready(tree)
+    tree.budget.plan = lambda R, pending: 0
+    calls = []
+    monkeypatch.setattr(tree, "drafter", lambda *a, **k: calls.append(1))
+    plain, vanilla = aten_ops(lambda: tree._step(tst)), aten_ops(lambda: van._step(vst))
+    assert not calls                                                   # the drafter rests
+    syncs = ("aten::item", "aten::_local_scalar_dense")
+    assert [plain[k] for k in syncs] == [vanilla[k] for k in syncs], (plain, vanilla)
+    assert plain["aten::linear"] == vanilla["aten::linear"]              # the same forward
+    extra = sum(plain.values()) - sum(vanilla.values())
+    assert extra <= 16, {k: plain[k] - vanilla[k] for k in set(plain) | set(vanilla) if plain[k] != vanilla[k]}
+    assert tst.log.n.tolist() == vst.log.n.tolist() == [2] * 8
+
+
+@pytest.mark.parametrize("name", list(TREES))
+def test_the_auto_budget_mixes_steps_and_commits_vanillas_tokens(name, tmp_path, monkeypatch):
+    """With the default budget (cost model + measured goodput) the first steps are plain (they measure
+    the floor) and a probe speculates within PROBE_MIN steps; whatever the mix, the tokens are vanilla's."""
+    monkeypatch.setenv("ARSPEC_CACHE", str(tmp_path))
+    bundle = tiny_bundle(vocab=8, grid=4, seed=1, std=0.3)
+    ref = build_engine(bundle, engine_config("vanilla", sampling=SAMPLING)).generate(labels(12), range(12))
+    engine = build_engine(bundle, engine_config(name, sampling=SAMPLING, **TREES[name]))
+    assert not engine.budget.fixed
+    for _ in range(2):                                          # the second batch starts from what was learnt
+        out = engine.generate(labels(12), range(12))
+        assert [r.tokens.tolist() for r in out] == [r.tokens.tolist() for r in ref]
+    depth = np.stack([r.records["tree_depth"] for r in out])
+    assert (depth == 0).any() and (depth > 0).any()
+
+
+def test_the_engine_reports_each_step_to_the_budget_as_planned(tmp_path, monkeypatch):
+    """What the measured goodput is made of: every step reports the K it was planned with (0 = plain)
+    and the tokens it committed per unfinished row (plain: 1; speculative: 1 + accepted drafts), idle
+    and finished rows not counted."""
+    monkeypatch.setenv("ARSPEC_CACHE", str(tmp_path))
+    bundle = tiny_bundle(vocab=8, grid=4, seed=1, std=0.3)
+    engine = build_engine(bundle, engine_config("eagle2", sampling=SAMPLING, **TREES["eagle2"]))
+    plans, seen = [], []
+    plan, observe = engine.budget.plan, engine.budget.observe
+    engine.budget.plan = lambda R, pending: plans.append(plan(R, pending)) or plans[-1]
+    engine.budget.observe = lambda R, K, ms, fwd, tokens=1.0, *a, **k: (seen.append((K, ms, tokens)),
+                                                                        observe(R, K, ms, fwd, tokens, *a, **k))
+    outs = engine.stream([Request(c, i, i) for i, c in enumerate(labels(6).split())], slots=8)   # 2 slots idle
+    out = [o.result for o in outs]
+    assert [K for K, _, _ in seen] == plans and 0 in plans and max(plans) > 0
+    assert all(ms > 0 for _, ms, _ in seen)
+    assert all(t == 1.0 for K, _, t in seen if K == 0)
+    step = np.stack([r.records["step"] for r in out])                  # [prompts, N]: the step of each token
+    for s, (K, _, tokens) in enumerate(seen, start=1):
+        rows = (step == s).any(1)
+        assert tokens == pytest.approx((step == s).sum() / rows.sum()), (s, K)
+    assert max(t for K, _, t in seen if K > 0) > 1.0                   # drafts were accepted

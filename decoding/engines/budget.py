@@ -1,21 +1,48 @@
-"""How many draft tokens a tree step verifies: the choice that maximises expected committed tokens per
-second for this batch on this device (docs/design.md, "Budgets").
+"""How many draft tokens a tree step verifies: the choice that maximises committed tokens per second for
+this batch on this device (docs/design.md, "Budgets").
 
 A step either speculates with K nodes per row (K <= total_tokens) or is a plain step (K = 0: one target
-forward over the last token, no drafter at all). For a step over R cache rows serving P prompts:
+forward over the last token, no drafter at all: vanilla's step). Two sources decide it.
 
-    tokens(K) = P * (1 + v_1 + ... + v_K)          v_k: how often a row's k-th best node is accepted
+The cost model proposes. For a step over R cache rows:
+
+    tokens(K) = 1 + v_1 + ... + v_K per row        v_k: how often a row's k-th best node is accepted
     time(K)   = draft(K) + target(R, 1 + K) + overhead_spec          time(0) = target(R, 1) + overhead_plain
 
 with target() and drafter() from the measured cost table (cost.py), draft(K) the drafter forwards of a
 tree of depth <= K (plus the catch-up on what was committed since the drafter last ran), and the
-overheads (the step's work outside the forwards: sampling, bookkeeping, Python) learnt from the measured
-step times. Before drafting, `plan` picks the K with the best tokens/time from the learnt v_k (0 = plain).
-After drafting, `choose` takes each row's actual nodes, valued by the drafter's own path probabilities
-(as EAGLE-2 ranks them) times a learnt calibration, and picks K <= plan for the verify forward. `observe`
-learns v_k, the calibration and the overheads from what the step accepted and how long it took.
+overheads (the step's work outside the forwards) learnt from the measured step times. `plan` takes the
+model's best K. After drafting, `choose` takes each row's actual nodes, valued by the drafter's own path
+probabilities (as EAGLE-2 ranks them) times a learnt calibration, and picks K <= plan to verify.
+
+Measured goodput disposes. A model built from a cost table, learnt acceptances and an additive overhead
+can be wrong by a factor (on a CPU at batch 4-16 it predicted a win where a speculative step cost 2.4x a
+plain one and committed 2 tokens): the engine must never pay for that error with throughput below
+vanilla's. So the budget also keeps, per R, what each kind of step actually achieved: committed tokens
+per unfinished row per ms, for plain steps and for speculative steps by the bucket of their plan (K = 1,
+2, 3-4, 5-8, 9-16, ...). Per row, because every row of the cache is computed whether or not it is
+finished, so the ratio of the two kinds does not depend on how many rows are busy. The rule (`plan`):
+
+1. the plain step's rate is not known well (the first FLOOR_SAMPLES steps) or not recently (no plain
+   step for FLOOR_EVERY steps): a plain step (at worst 1/FLOOR_EVERY of the steps forgo speculation);
+2. take the model's best K > 0; while its bucket was measured below plain, step down a bucket (a
+   smaller tree drafts and verifies less). A bucket measured at or above plain is taken whatever the
+   model says; an unmeasured one only if the model expects it to beat a plain step; else the step is
+   plain (K = 0, also when every bucket down to K = 1 measured below plain);
+3. plain steps re-probe speculation, with the model's best K > 0, once `wait` steps have passed since the
+   last speculative one; each probe that measures below plain doubles `wait` (PROBE_MIN..PROBE_MAX), and
+   any speculative step that pays resets it, so a hard image costs a few probes and an easy stretch is
+   still found.
+
+A speculative bucket's estimate ages with steps, not samples (untouched for d steps, it keeps weight
+EMA**d against a new measurement), so a probe after a long plain stretch speaks for the image as it is
+now; the plain rate depends on the hardware only and is a plain EMA over plain steps. The floor then holds
+by measurement: speculation runs only where it was measured to beat the plain step, up to one probe per
+`wait` steps. Plain steps teach v_k nothing (they accept no drafts): v_k keeps its last measured value.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -23,6 +50,36 @@ import torch
 from decoding.engines.cost import CostTable
 
 EMA = 0.9
+PROBE_MIN, PROBE_MAX = 4, 256    # plain steps before speculation is probed again (doubling on each failure)
+FLOOR_SAMPLES, FLOOR_EVERY = 2, 32  # plain steps measured first, and then at least one per FLOOR_EVERY steps
+
+
+def bucket(K: int) -> int:
+    """0 for a plain step; 1, 2, 3, 4, ... for K = 1, 2, 3-4, 5-8, ..."""
+    return 0 if K <= 0 else int(K - 1).bit_length() + 1
+
+
+@dataclass
+class Goodput:
+    """Measured committed tokens per unfinished row per ms, by bucket (0 = plain), for one R."""
+    rate: dict = field(default_factory=dict)     # bucket -> EMA of tokens / row / ms
+    seen: dict = field(default_factory=dict)     # bucket -> step of its last measurement
+    plain_n: int = 0                             # plain steps measured
+    step: int = 0                                # steps planned
+    last_spec: int = 0                           # step of the last speculative step
+    wait: int = PROBE_MIN                        # steps between probes
+    probing: bool = False                        # this step is a probe
+
+    def update(self, b: int, rate: float) -> None:
+        """A speculative bucket's estimate ages with the steps since it was measured (the image changes);
+        the plain step's does not (its rate is the hardware's, whatever the image)."""
+        old = 0.0 if b not in self.rate else EMA if b == 0 else EMA ** (self.step - self.seen[b])
+        self.rate[b] = old * self.rate[b] + (1 - old) * rate if b in self.rate else rate
+        self.seen[b] = self.step
+        self.plain_n += b == 0
+
+    def below_plain(self, b: int) -> bool:
+        return b in self.rate and self.rate[b] < self.rate[0]
 
 
 class Budget:
@@ -32,28 +89,53 @@ class Budget:
         self.value = self.prior.copy()
         self.calibration = 1.0                               # accepted / drafter's path probability
         self.overhead = {"spec": 0.0, "plain": 0.0}          # ms per step outside the forwards
+        self.measured: dict[int, Goodput] = {}               # R -> what the steps achieved
+        self._curve: dict = {}                               # (R, pending) -> forward ms of K = 0..max
 
     @property
     def fixed(self) -> bool:
         return self.costs is None
 
-    def _spec_ms(self, R: int, K: int, pending: int) -> float:
-        c = self.costs
-        levels = max(min(K, self.max) - 1, 0)               # level 1 comes from the catch-up
-        return (c.drafter(R, max(pending, 1)) + levels * c.drafter(R, self.width) + c.target(R, 1 + K)
-                + self.overhead["spec"])
+    def _forwards(self, R: int, pending: int) -> np.ndarray:
+        """Forward ms of a step with K = 0..max nodes (0: the plain step's one target forward)."""
+        key = (R, pending)
+        if key not in self._curve:
+            c, K = self.costs, np.arange(1, self.max + 1)
+            spec = (c.drafter(R, max(pending, 1)) + np.maximum(K - 1, 0) * c.drafter(R, self.width)
+                    + np.array([c.target(R, 1 + k) for k in K]))    # level 1 comes from the catch-up
+            self._curve[key] = np.concatenate([[c.target(R, 1)], spec])
+        return self._curve[key]
 
-    def _plain_ms(self, R: int) -> float:
-        return self.costs.target(R, 1) + self.overhead["plain"]
+    def model_rates(self, R: int, pending: int) -> np.ndarray:
+        """The cost model's expected tokens per row per ms for K = 0..max."""
+        ms = self._forwards(R, pending) + np.array([self.overhead["plain"]] + [self.overhead["spec"]] * self.max)
+        return (1 + np.concatenate([[0.0], np.cumsum(self.value)])) / ms
 
-    def plan(self, R: int, prompts: int, pending: int) -> int:
-        """The largest K worth drafting for (0: a plain step). R cache rows, `prompts` unfinished rows,
-        `pending` the longest catch-up the drafter would need first."""
+    def model_plan(self, R: int, pending: int) -> int:
+        """The cost model's own choice of K (0: plain), before any measured goodput."""
+        return int(np.argmax(self.model_rates(R, pending)))
+
+    def goodput(self, R: int) -> Goodput:
+        return self.measured.setdefault(R, Goodput())
+
+    def plan(self, R: int, pending: int) -> int:
+        """K to draft for this step (0: a plain step). R cache rows, `pending` the longest catch-up the
+        drafter would need first (an upper bound will do). The rule is the module docstring's."""
         if self.fixed:
             return self.max
-        gain = prompts * (1 + np.concatenate([[0.0], np.cumsum(self.value)]))
-        rate = [prompts / self._plain_ms(R)] + [gain[K] / self._spec_ms(R, K, pending) for K in range(1, self.max + 1)]
-        return int(np.argmax(rate))
+        g = self.goodput(R)
+        g.step += 1
+        g.probing = False
+        if g.plain_n < FLOOR_SAMPLES or g.step - g.seen[0] > FLOOR_EVERY:
+            return 0                                         # 1. measure the floor
+        rates = self.model_rates(R, pending)
+        best = K = int(np.argmax(rates[1:])) + 1             # the model's best tree
+        while K > 0 and g.below_plain(bucket(K)):            # 2. step down past buckets measured worse
+            K = 2 ** (bucket(K) - 2) if bucket(K) > 1 else 0
+        if K > 0 and bucket(K) not in g.rate and rates[K] <= rates[0]:
+            K = 0                                            # unmeasured: the model's word
+        g.probing = K == 0 and g.step - g.last_spec >= g.wait
+        return best if g.probing else K                      # 3. probe
 
     def choose(self, R: int, values: torch.Tensor, plan: int, drafted_ms: float) -> int:
         """K <= plan for the verify forward. values [B, C]: each unfinished row's candidate nodes valued by
@@ -68,16 +150,25 @@ class Budget:
         rate = [gain[K] / (drafted_ms + c.target(R, 1 + K) + self.overhead["spec"]) for K in range(plan + 1)]
         return int(np.argmax(rate))
 
-    def observe(self, kind: str, step_ms: float, forward_ms: float, accepted_by_rank: np.ndarray | None = None,
-                predicted: float = 0.0, accepted: float = 0.0) -> None:
-        """A step of `kind` ('spec' or 'plain') took step_ms, of which the model says forward_ms were
-        forwards. accepted_by_rank [K]: the mean acceptance of each rank's node over the rows."""
+    def observe(self, R: int, planned: int, step_ms: float, forward_ms: float, tokens_per_row: float = 1.0,
+                accepted_by_rank: np.ndarray | None = None, predicted: float = 0.0, accepted: float = 0.0) -> None:
+        """A step planned with K = `planned` (0: plain) over R rows took step_ms, of which the model says
+        forward_ms were forwards, and committed tokens_per_row per unfinished row. accepted_by_rank [K]:
+        the mean acceptance of each rank's node over the rows; predicted / accepted: Σ of the verified
+        nodes' path probabilities and the drafts accepted (the calibration)."""
         if self.fixed:
             return
+        kind = "spec" if planned > 0 else "plain"
         self.overhead[kind] = EMA * self.overhead[kind] + (1 - EMA) * max(step_ms - forward_ms, 0.0)
-        if kind == "plain":   # a plain step observes no acceptance: drift back to the prior, so that a batch
-            # that left a hard region tries speculation again (else one bad stretch ends it for good)
-            self.value = EMA * self.value + (1 - EMA) * self.prior
+        g, b, rate = self.goodput(R), bucket(planned), tokens_per_row / max(step_ms, 1e-6)
+        if b > 0 and 0 in g.rate:                            # a probe that lost: wait twice as long next time
+            if rate >= g.rate[0]:
+                g.wait = PROBE_MIN
+            elif g.probing:
+                g.wait = min(2 * g.wait, PROBE_MAX)
+        if b > 0:
+            g.last_spec = g.step
+        g.update(b, rate)
         if accepted_by_rank is not None and len(accepted_by_rank):
             k = len(accepted_by_rank)
             self.value[:k] = EMA * self.value[:k] + (1 - EMA) * accepted_by_rank
@@ -96,4 +187,3 @@ class Budget:
         best = max(gain[K] / (c.drafter(R, 1) + max(K - 1, 0) * c.drafter(R, self.width) + c.target(R, 1 + K))
                    for K in range(1, self.max + 1))
         return best * c.target(R, 1)
-

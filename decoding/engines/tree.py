@@ -131,7 +131,8 @@ class TreeEngine(SlotEngine):
             draft=CachedModel(self.drafter, R, L + N + d_max * w_max + 1, self.bundle.dtype),
             feats=torch.zeros(R, N + 1, self.gpt.args.dim, dtype=self.bundle.dtype, device=dev),  # per token
             dfeat=torch.zeros(R, self.gpt.args.dim, dtype=self.bundle.dtype, device=dev),
-            dn=torch.zeros(slots, dtype=torch.long, device=dev))          # (feature, next token) pairs drafted on
+            dn=torch.zeros(slots, dtype=torch.long, device=dev),          # (feature, next token) pairs drafted on
+            pending=0)                                                     # most pairs a row's drafter lags by
 
     def _admit(self, st, rows, cond, seeds):
         """Prefill new prompts, draw their first token, run the drafter over their condition prefix."""
@@ -160,17 +161,18 @@ class TreeEngine(SlotEngine):
         log.draft_forwards += new
 
     def _step(self, st):
-        log, N = st.log, self.N
-        active = log.n < N
-        prompts = int(active.sum())
-        pending = int(((log.n - 1 - st.dn) * active).max())
-        plan = min(self.budget.plan(st.R, prompts, pending), N)
-        st.step += 1
+        """One step of every unfinished row, plain or speculative as the budget plans. A plain step reads
+        nothing back from the device beyond what vanilla's step does: the catch-up the drafter would need
+        (`st.pending`, an upper bound over rows) is kept on the host."""
         t0 = time.perf_counter()
+        plan = min(self.budget.plan(st.R, st.pending), self.N)
+        st.step += 1
+        active = st.log.n < self.N
         if plan == 0:
             self._plain_step(st, active)
+            st.pending += 1
             if self.costs is not None:
-                self.budget.observe("plain", 1000 * (time.perf_counter() - t0), self.costs.target(st.R, 1))
+                self.budget.observe(st.R, 0, 1000 * (time.perf_counter() - t0), self.costs.target(st.R, 1))
         else:
             self._spec_step(st, active, plan, t0)
 
@@ -179,17 +181,18 @@ class TreeEngine(SlotEngine):
         root's feature waits in st.feats for the next catch-up."""
         log, L, N = st.log, self.L, self.N
         with log.phase("forward"):
-            n = log.n.clamp(max=N)
-            pos = self.rows((L + n - 1)[:, None])
-            root = log.tokens.gather(1, (n - 1).clamp(0, N - 1)[:, None]).clamp(min=0)
+            last = (log.n.clamp(max=N) - 1)[:, None]                      # the root's token index
+            pos = self.rows(L + last)
+            root = log.tokens.gather(1, last.clamp(min=0)).clamp(min=0)
             f = self.gpt.forward_embeds(self.gpt.embed_tokens(self.rows(root)), pos,
                                         visible(st.target.valid, pos[..., None]), pos)
             st.target.commit(pos, self.rows(active)[:, None])
             probs = self.target_probs(f[:, 0])
         with log.phase("accept"):
-            x = sample(probs, st.u.gather(1, n.clamp(max=N - 1)[:, None])[:, 0])
+            x = sample(probs, st.u.gather(1, log.n.clamp(max=N - 1)[:, None])[:, 0])
             count = active.long()
-            st.feats.scatter_(1, torch.where(self.rows(active), self.rows(n - 1), N)[:, None, None].expand(-1, 1, f.shape[-1]), f)
+            # the pending buffer: a finished row writes its last slot, which no catch-up reads
+            st.feats.scatter_(1, self.rows(last)[..., None].expand(-1, 1, f.shape[-1]), f)
             log.commit(count, token_id=x, p_target=probs.gather(1, x[:, None])[:, 0], step=st.step, accept_len=1)
             log.target_forwards += count
 
@@ -214,12 +217,13 @@ class TreeEngine(SlotEngine):
             drafted = tree.depth.amax(1)                                  # the depth the budget left: α's base
             st.policy.update(asked, w, v.accepted, active & (drafted > 0), drafted)
         with log.phase("commit"):
-            self._commit(st, tfeats, path, v.accepted, P, n, active)
+            st.pending = self._commit(st, tfeats, path, v.accepted, P, n, active) + 1   # the path and the bonus
         if costs is not None:
             by_rank, predicted = self._by_rank(tree, v, active)
-            self.budget.observe("spec", 1000 * (time.perf_counter() - t0),
+            accepted, rows = float(v.accepted[active].sum()), max(int(active.sum()), 1)
+            self.budget.observe(st.R, plan, 1000 * (time.perf_counter() - t0),
                                 costs.drafter(st.R, max(pending, 1)) + max(int(d.max()) - 1, 0) * costs.drafter(st.R, int(w.max()))
-                                + costs.target(st.R, 1 + K), by_rank, predicted, float(v.accepted[active].sum()))
+                                + costs.target(st.R, 1 + K), 1 + accepted / rows, by_rank, predicted, accepted)
 
     # -- drafting ---------------------------------------------------------------------------------------
     def draft_probs(self, features):
@@ -373,7 +377,7 @@ class TreeEngine(SlotEngine):
     # -- commit -----------------------------------------------------------------------------------------
     def _commit(self, st, tfeats, path, m, P, n, active):
         """Move the accepted path's K/V to contiguous slots; keep the features of root and path (pairs for
-        the drafter's next catch-up)."""
+        the drafter's next catch-up). Returns the longest accepted path."""
         dev, N = self.device, self.N
         m_max = int(m.max())
         lanes = torch.arange(m_max + 1, device=dev)
@@ -386,6 +390,7 @@ class TreeEngine(SlotEngine):
         at = torch.where(keep, n[:, None] - 1 + lanes, N)                  # token index of each kept feature
         f = tfeats.gather(1, self.rows(idx)[..., None].expand(-1, -1, tfeats.shape[-1]))
         st.feats.scatter_(1, self.rows(at)[..., None].expand(-1, -1, f.shape[-1]), f)
+        return m_max
 
 
 class Eagle2(TreeEngine):
