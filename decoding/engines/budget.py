@@ -25,20 +25,20 @@ finished, so the ratio of the two kinds does not depend on how many rows are bus
 
 1. the plain step's rate is not known well (the first FLOOR_SAMPLES steps) or not recently (no plain
    step for FLOOR_EVERY steps): a plain step (at worst 1/FLOOR_EVERY of the steps forgo speculation);
-2. take the model's best K > 0; while its bucket was measured below plain, step down a bucket (a
-   smaller tree drafts and verifies less). A bucket measured at or above plain is taken whatever the
-   model says; an unmeasured one only if the model expects it to beat a plain step; else the step is
+2. take the model's best K > 0; while its bucket was measured below MARGIN x plain, step down a
+   bucket (a smaller tree drafts and verifies less). A bucket measured above that is taken whatever
+   the model says; an unmeasured one only if the model expects it to beat a plain step; else the step is
    plain (K = 0, also when every bucket down to K = 1 measured below plain);
 3. plain steps re-probe speculation, with the model's best K > 0, once `wait` steps have passed since the
-   last speculative one; each probe that measures below plain doubles `wait` (PROBE_MIN..PROBE_MAX), and
-   any speculative step that pays resets it, so a hard image costs a few probes and an easy stretch is
+   last speculative one; each probe that measures below MARGIN x plain doubles `wait`
+   (PROBE_MIN..PROBE_MAX), and any speculative step that beats it resets it, so a hard image costs a few probes and an easy stretch is
    still found.
 
-A speculative bucket's estimate ages with steps, not samples (untouched for d steps, it keeps weight
-EMA**d against a new measurement), so a probe after a long plain stretch speaks for the image as it is
-now; the plain rate depends on the hardware only and is a plain EMA over plain steps. The floor then holds
-by measurement: speculation runs only where it was measured to beat the plain step, up to one probe per
-`wait` steps. Plain steps teach v_k nothing (they accept no drafts): v_k keeps its last measured value.
+A speculative bucket's estimate is a fast EMA (SPEC_EMA) that also ages with steps, not samples
+(untouched for d steps, it keeps weight SPEC_EMA**d against a new measurement), so a probe after a long
+plain stretch speaks for the image as it is now; the plain rate depends on the hardware only and is a
+plain EMA over plain steps. The floor then holds by measurement: speculation runs only where it was
+measured to beat the plain step, up to one probe per `wait` steps. Plain steps teach v_k nothing (they accept no drafts): v_k keeps its last measured value.
 """
 from __future__ import annotations
 
@@ -50,6 +50,9 @@ import torch
 from decoding.engines.cost import CostTable
 
 EMA = 0.9
+SPEC_EMA = 0.5   # a speculative bucket's rate follows the image: one bad step outweighs half the past
+MARGIN = 1.1     # speculation must beat the plain rate by 10% to be taken, or to reset the back-off: one
+                 # step's time is noisy, and a false "it pays" costs a run of slower steps
 PROBE_MIN, PROBE_MAX = 4, 256    # plain steps before speculation is probed again (doubling on each failure)
 FLOOR_SAMPLES, FLOOR_EVERY = 2, 32  # plain steps measured first, and then at least one per FLOOR_EVERY steps
 
@@ -73,13 +76,14 @@ class Goodput:
     def update(self, b: int, rate: float) -> None:
         """A speculative bucket's estimate ages with the steps since it was measured (the image changes);
         the plain step's does not (its rate is the hardware's, whatever the image)."""
-        old = 0.0 if b not in self.rate else EMA if b == 0 else EMA ** (self.step - self.seen[b])
+        old = 0.0 if b not in self.rate else EMA if b == 0 else SPEC_EMA ** (self.step - self.seen[b])
         self.rate[b] = old * self.rate[b] + (1 - old) * rate if b in self.rate else rate
         self.seen[b] = self.step
         self.plain_n += b == 0
 
     def below_plain(self, b: int) -> bool:
-        return b in self.rate and self.rate[b] < self.rate[0]
+        """Measured, and not clearly better than a plain step (by MARGIN)."""
+        return b in self.rate and self.rate[b] < MARGIN * self.rate[0]
 
 
 class Budget:
@@ -162,7 +166,7 @@ class Budget:
         self.overhead[kind] = EMA * self.overhead[kind] + (1 - EMA) * max(step_ms - forward_ms, 0.0)
         g, b, rate = self.goodput(R), bucket(planned), tokens_per_row / max(step_ms, 1e-6)
         if b > 0 and 0 in g.rate:                            # a probe that lost: wait twice as long next time
-            if rate >= g.rate[0]:
+            if rate >= MARGIN * g.rate[0]:
                 g.wait = PROBE_MIN
             elif g.probing:
                 g.wait = min(2 * g.wait, PROBE_MAX)
