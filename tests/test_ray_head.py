@@ -31,11 +31,16 @@ PORTS = ("port", "dashboard-port", "ray-client-server-port", "node-manager-port"
          "dashboard-agent-listen-port", "dashboard-agent-grpc-port", "runtime-env-agent-port", "metrics-export-port")
 
 
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
+def free_ports(n: int, avoid: range = range(0)) -> list[int]:
+    """n distinct ports free now, none in `avoid` (the head's worker port range: Ray refuses a component
+    port inside it)."""
+    socks, ports = [], []
+    while len(ports) < n:
+        s = socket.socket()
         s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
+        socks.append(s)
+        if s.getsockname()[1] not in avoid:
+            ports.append(s.getsockname()[1])
     for s in socks:
         s.close()
     return ports
@@ -58,8 +63,8 @@ def ray_head():
     """A private head: -> (gcs address, dashboard url, token, Jobs SDK client). Stopped by its own `ray start --block`
     process, then any process left that carries its temp dir is killed by pid."""
     temp_dir = tempfile.mkdtemp(prefix="rh", dir="/tmp")       # short: Ray's socket paths must fit
-    ports = dict(zip(PORTS, free_ports(len(PORTS))))
     worker = free_ports(1)[0]
+    ports = dict(zip(PORTS, free_ports(len(PORTS), avoid=range(worker, worker + 201))))
     token = secrets.token_hex(32)
     env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token, "RAY_USAGE_STATS_ENABLED": "0"}
     env.pop("RAY_ADDRESS", None)
