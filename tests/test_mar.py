@@ -249,3 +249,38 @@ def test_sampler_is_iddpms_p_sample_loop():
                 x = mean
     assert torch.allclose(got.x.double(), x, atol=1e-4) and torch.allclose(got.sigma0.double(), sigma0, rtol=1e-4)
     assert torch.allclose(got.log_sigma_sum.double(), L, atol=1e-4)
+
+
+def test_head_trains_in_fp32_under_autocast():
+    """The first sampling step multiplies the head's ε error at t = T-1 by ~316 (100 steps), so the head
+    must learn ε to ~1e-3 there: its loss is computed in fp32 even inside a bf16 autocast (the training
+    loop's on CPUs with fast bf16). A bf16 head trained the shipped models of an earlier run into
+    samplers whose tokens drifted to ~1000x the data's spread."""
+    from decoding.models.diffloss import DiffLoss
+    head = randomize(DiffLoss(4, 16, depth=2, width=64), 0, std=0.2)
+    x, z = torch.randn(256, 4), torch.randn(256, 16)
+    ref = head.loss(x, z, generator=torch.Generator().manual_seed(1))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = head.loss(x, z, generator=torch.Generator().manual_seed(1))
+    assert got.dtype == torch.float32 and torch.allclose(got, ref, rtol=1e-6), (got.item(), ref.item())
+
+
+def test_last_step_oversampling_and_distillation_terms():
+    """`last_step_prob` = 1 trains every row at t = T-1 (the loss is then that step's alone), and the
+    distillation term is 0 against the head itself and positive against another head."""
+    from decoding.models.diffloss import TRAIN_STEPS, DiffLoss
+    head = randomize(DiffLoss(4, 16, depth=2, width=64), 0, std=0.2)
+    other = randomize(DiffLoss(4, 16, depth=2, width=64), 1, std=0.2)
+    x, z = torch.randn(64, 4), torch.randn(64, 16)
+    seen = []
+    forward = head.net.forward
+    head.net.forward = lambda x_t, t, c: (seen.append(t), forward(x_t, t, c))[1]
+    head.loss(x, z, generator=torch.Generator().manual_seed(2), last_step_prob=1.0)
+    assert (seen[0] == TRAIN_STEPS - 1).all()
+    head.loss(x, z, generator=torch.Generator().manual_seed(2))
+    assert len(set(seen[1].tolist())) > 32                     # MAR's uniform t otherwise
+    del head.net.forward
+    g = lambda: torch.Generator().manual_seed(3)  # noqa: E731
+    plain = head.loss(x, z, generator=g())
+    assert torch.allclose(head.loss(x, z, generator=g(), teacher=(head, z, 1.0)), plain)
+    assert head.loss(x, z, generator=g(), teacher=(other, z, 1.0)) > plain + 1e-3
