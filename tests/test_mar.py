@@ -217,15 +217,18 @@ def test_tokens_table_has_null_token_ids_for_continuous_tokens(public):
     assert drafted.any() and df.log_accept_ratio[drafted].notna().all() and df.log_accept_ratio[~drafted].isna().all()
 
 
-def test_sampler_is_iddpms_p_sample_loop():
+@pytest.mark.parametrize("clip", [None, 0.5])
+def test_sampler_is_iddpms_p_sample_loop(clip):
     """The head's sampler (constants folded, adaLN fused) against a plain transcription of IDDPM's
-    p_sample with a learned range and MAR's forward_with_cfg, in float64."""
+    p_sample with a learned range and MAR's forward_with_cfg, in float64; with clip_x0, IDDPM's
+    clip_denoised (x_0 clamped before the posterior mean) with that bound."""
     from decoding.models.diffloss import DiffLoss, _extract, schedule
     torch.manual_seed(0)
     head = randomize(DiffLoss(4, 16, depth=2, width=32, num_sampling_steps=20), 0, std=0.2).double()
     n, S = 3, 20
     z, x_T, noise = torch.randn(2 * n, 16).double(), torch.randn(n, 4), torch.randn(n, S, 4)
     cfg, temp = torch.tensor([1.5, 2.0, 3.0]), 0.9
+    head.clip_x0 = clip
     got = head.sample(z, x_T, noise, temp, cfg)
     s = schedule(S)
     x = x_T.double()
@@ -240,6 +243,8 @@ def test_sampler_is_iddpms_p_sample_loop():
             frac = (out[:n, 4:] + 1) / 2
             logvar = frac * _extract(s.max_logvar, t, x).double() + (1 - frac) * _extract(s.post_logvar, t, x).double()
             x0 = _extract(s.sqrt_recip_ac, t, x).double() * x - _extract(s.sqrt_recipm1_ac, t, x).double() * eps
+            if clip is not None:
+                x0 = x0.clamp(-clip, clip)
             mean = _extract(s.coef1, t, x).double() * x0 + _extract(s.coef2, t, x).double() * x
             if i:
                 L += 0.5 * logvar

@@ -225,6 +225,7 @@ class DiffLoss(nn.Module):
         super().__init__()
         self.in_channels = target_channels
         self.num_sampling_steps = num_sampling_steps
+        self.clip_x0: float | None = None   # sampling: clip the predicted x_0 to ±clip_x0 (IDDPM's clip_denoised; MAR: None)
         self.net = SimpleMLPAdaLN(target_channels, width, z_channels, depth)
 
     def loss(self, target: torch.Tensor, z: torch.Tensor, mask: torch.Tensor | None = None,
@@ -287,7 +288,9 @@ class DiffLoss(nn.Module):
 
         Per step i (IDDPM's p_sample with a learned range, in fewer ops): log σ_i² = lo_i + hi_i * v (the
         interpolation between log β̃_i and log β_i), μ_i = a_i x_t - b_i ε (the posterior mean of the
-        predicted x_0), x_{t-1} = μ_i + σ_i * temperature * ε_i."""
+        predicted x_0), x_{t-1} = μ_i + σ_i * temperature * ε_i. With `clip_x0` set, the predicted x_0 is
+        clipped to ±clip_x0 first (IDDPM's clip_denoised with a bound in token units): at t = 999 it is
+        (x_T − √(1−ᾱ) ε̂)/√ᾱ with √ᾱ = 5e-5, so a small ε error there is a huge x_0 (docs/design.md)."""
         S = steps or self.num_sampling_steps
         k = _sampler_constants(S)
         t = torch.as_tensor(k["t"], device=x_T.device)
@@ -305,7 +308,11 @@ class DiffLoss(nn.Module):
             if guided:
                 eps = torch.lerp(out[n:, :C], eps, scale)                 # uncond + s (cond - uncond)
             logvar = v.mul(k["hi"][i]).add_(k["lo"][i])
-            mean = torch.sub(x * k["a"][i], eps, alpha=k["b"][i])
+            if self.clip_x0 is None:
+                mean = torch.sub(x * k["a"][i], eps, alpha=k["b"][i])
+            else:
+                x0 = torch.sub(x * k["r1"][i], eps, alpha=k["r2"][i]).clamp_(-self.clip_x0, self.clip_x0)
+                mean = torch.add(x * k["c2"][i], x0, alpha=k["c1"][i])
             sigma = torch.exp(0.5 * logvar)
             if i == 0:
                 return HeadSample(mean, sigma * temperature, L)
@@ -322,4 +329,7 @@ def _sampler_constants(steps: int) -> dict:
     mid, half = (s.max_logvar + s.post_logvar) / 2, (s.max_logvar - s.post_logvar) / 2
     return {"t": [int(v) for v in s.timestep_map], "lo": [float(v) for v in mid], "hi": [float(v) for v in half],
             "a": [float(v) for v in s.coef1 * s.sqrt_recip_ac + s.coef2],
-            "b": [float(v) for v in s.coef1 * s.sqrt_recipm1_ac]}
+            "b": [float(v) for v in s.coef1 * s.sqrt_recipm1_ac],
+            # unfolded (clip_x0): x_0 = r1 x_t - r2 ε, mean = c1 x_0 + c2 x_t
+            "r1": [float(v) for v in s.sqrt_recip_ac], "r2": [float(v) for v in s.sqrt_recipm1_ac],
+            "c1": [float(v) for v in s.coef1], "c2": [float(v) for v in s.coef2]}

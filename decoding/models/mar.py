@@ -49,6 +49,7 @@ class MARArgs:
     diffloss_d: int = 3
     diffloss_w: int = 1024
     num_sampling_steps: int = 100
+    clip_x0: Optional[float] = None  # sampling: clip the head's predicted x_0 to ±clip_x0 (MAR: none; DiffLoss.sample)
     norm_eps: float = 1e-6           # MAR's presets: partial(nn.LayerNorm, eps=1e-6)
 
     @property
@@ -148,6 +149,7 @@ class MAR(nn.Module):
         self.diffusion_pos_embed_learned = nn.Parameter(torch.zeros(1, N, Dd))
         self._init()
         self.diffloss = DiffLoss(a.token_dim, Dd, a.diffloss_d, a.diffloss_w, a.num_sampling_steps)
+        self.diffloss.clip_x0 = a.clip_x0
 
     def _init(self):
         """MAR's init: normal(0.02) embeddings, xavier-uniform Linears, unit LayerNorms (before the head,

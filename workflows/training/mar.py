@@ -149,7 +149,7 @@ def _mar_args(cfg, vae: AutoencoderKL, text: TextEncoder) -> MARArgs:
                    decoder_num_heads=cfg.heads, vae_embed_dim=vae.args.embed_dim, mask_ratio_min=cfg.mask_ratio_min,
                    label_drop_prob=cfg.cond_dropout, cond="caption", class_num=0, caption_dim=text.args.dim,
                    buffer_size=text.args.max_len, diffloss_d=cfg.head_depth, diffloss_w=cfg.head_width,
-                   num_sampling_steps=cfg.num_sampling_steps)
+                   num_sampling_steps=cfg.num_sampling_steps, clip_x0=cfg.get("clip_x0"))
 
 
 def train_mar(cfg, out_dir: Path, name: str = "mar") -> dict:
@@ -242,7 +242,8 @@ def evaluate_mar(model: MAR, vae: AutoencoderKL, ev, seed: int, reps: int = 4) -
 def sampler_check(model: MAR, vae: AutoencoderKL, ev, seed: int, steps: int = 100) -> dict:
     """What the sampler needs of the head, on held-out images at masking ratio 0.9 with the caption:
     the ε error at t = T-1 (the first sampling step multiplies it by ~316) and the spread of tokens drawn
-    by the 100-step sampler against the data's (a head whose first step is off drifts to huge tokens)."""
+    by the 100-step sampler against the data's (a head whose first step is off drifts to huge tokens),
+    with the model's clip_x0 and without."""
     from decoding.models.diffloss import schedule
     mean, logvar, feats, mask = ev
     g = torch.Generator().manual_seed(seed)
@@ -257,7 +258,10 @@ def sampler_check(model: MAR, vae: AutoencoderKL, ev, seed: int, steps: int = 10
     noise = torch.randn(x0.shape, generator=g)
     x_t = math.sqrt(s.ac[T]) * x0 + math.sqrt(1 - s.ac[T]) * noise
     eps = model.diffloss.net(x_t, torch.full((len(x0),), T), z)[:, :C]
-    x = model.diffloss.sample(z, torch.randn(x0.shape, generator=g), torch.randn(len(x0), steps, C, generator=g),
-                              1.0, steps=steps).x
-    return {"eps_mse_last_step": round(float((eps - noise).pow(2).mean()), 6),
-            "sample_std": round(float(x.std()), 4), "data_std": round(float(x0.std()), 4)}
+    x_T, eps_t = torch.randn(x0.shape, generator=g), torch.randn(len(x0), steps, C, generator=g)
+    out = {"eps_mse_last_step": round(float((eps - noise).pow(2).mean()), 6), "data_std": round(float(x0.std()), 4),
+           "sample_std": round(float(model.diffloss.sample(z, x_T, eps_t, 1.0, steps=steps).x.std()), 4)}
+    clip, model.diffloss.clip_x0 = model.diffloss.clip_x0, None
+    out["sample_std_unclipped"] = round(float(model.diffloss.sample(z, x_T, eps_t, 1.0, steps=steps).x.std()), 4)
+    model.diffloss.clip_x0 = clip
+    return out
