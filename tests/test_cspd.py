@@ -281,3 +281,14 @@ def test_engines_run_in_bf16(name):
     assert b.mar.z_proj.weight.dtype == torch.bfloat16 and b.mar.diffloss.net.input_proj.weight.dtype == torch.float32
     res = build_engine(b, engine_config(name, num_iter=6)).generate(b.conditions(["1", "2"]), [1, 2])
     assert np.isfinite(res[0].tokens).all() and res[0].image.shape == (8, 8, 3)
+
+
+def test_draft_and_target_must_share_the_sampler(pair):
+    """Aligned trajectories need the same sampler: a draft with another step count or x_0 clip is refused."""
+    t, d = (copy.deepcopy(m) for m in pair)
+    d.diffloss.clip_x0 = 5.0
+    with pytest.raises(ValueError, match="clip_x0"):
+        bundle(t, d)
+    d.diffloss.clip_x0, d.diffloss.num_sampling_steps = None, 20
+    with pytest.raises(ValueError, match="num_sampling_steps"):
+        bundle(t, d)

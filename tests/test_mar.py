@@ -217,15 +217,18 @@ def test_tokens_table_has_null_token_ids_for_continuous_tokens(public):
     assert drafted.any() and df.log_accept_ratio[drafted].notna().all() and df.log_accept_ratio[~drafted].isna().all()
 
 
-def test_sampler_is_iddpms_p_sample_loop():
+@pytest.mark.parametrize("clip", [None, 0.5])
+def test_sampler_is_iddpms_p_sample_loop(clip):
     """The head's sampler (constants folded, adaLN fused) against a plain transcription of IDDPM's
-    p_sample with a learned range and MAR's forward_with_cfg, in float64."""
+    p_sample with a learned range and MAR's forward_with_cfg, in float64; with clip_x0, IDDPM's
+    clip_denoised (x_0 clamped before the posterior mean) with that bound."""
     from decoding.models.diffloss import DiffLoss, _extract, schedule
     torch.manual_seed(0)
     head = randomize(DiffLoss(4, 16, depth=2, width=32, num_sampling_steps=20), 0, std=0.2).double()
     n, S = 3, 20
     z, x_T, noise = torch.randn(2 * n, 16).double(), torch.randn(n, 4), torch.randn(n, S, 4)
     cfg, temp = torch.tensor([1.5, 2.0, 3.0]), 0.9
+    head.clip_x0 = clip
     got = head.sample(z, x_T, noise, temp, cfg)
     s = schedule(S)
     x = x_T.double()
@@ -240,6 +243,8 @@ def test_sampler_is_iddpms_p_sample_loop():
             frac = (out[:n, 4:] + 1) / 2
             logvar = frac * _extract(s.max_logvar, t, x).double() + (1 - frac) * _extract(s.post_logvar, t, x).double()
             x0 = _extract(s.sqrt_recip_ac, t, x).double() * x - _extract(s.sqrt_recipm1_ac, t, x).double() * eps
+            if clip is not None:
+                x0 = x0.clamp(-clip, clip)
             mean = _extract(s.coef1, t, x).double() * x0 + _extract(s.coef2, t, x).double() * x
             if i:
                 L += 0.5 * logvar
@@ -249,3 +254,38 @@ def test_sampler_is_iddpms_p_sample_loop():
                 x = mean
     assert torch.allclose(got.x.double(), x, atol=1e-4) and torch.allclose(got.sigma0.double(), sigma0, rtol=1e-4)
     assert torch.allclose(got.log_sigma_sum.double(), L, atol=1e-4)
+
+
+def test_head_trains_in_fp32_under_autocast():
+    """The first sampling step multiplies the head's ε error at t = T-1 by ~316 (100 steps), so the head
+    must learn ε to ~1e-3 there: its loss is computed in fp32 even inside a bf16 autocast (the training
+    loop's on CPUs with fast bf16). A bf16 head trained the shipped models of an earlier run into
+    samplers whose tokens drifted to ~1000x the data's spread."""
+    from decoding.models.diffloss import DiffLoss
+    head = randomize(DiffLoss(4, 16, depth=2, width=64), 0, std=0.2)
+    x, z = torch.randn(256, 4), torch.randn(256, 16)
+    ref = head.loss(x, z, generator=torch.Generator().manual_seed(1))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = head.loss(x, z, generator=torch.Generator().manual_seed(1))
+    assert got.dtype == torch.float32 and torch.allclose(got, ref, rtol=1e-6), (got.item(), ref.item())
+
+
+def test_last_step_oversampling_and_distillation_terms():
+    """`last_step_prob` = 1 trains every row at t = T-1 (the loss is then that step's alone), and the
+    distillation term is 0 against the head itself and positive against another head."""
+    from decoding.models.diffloss import TRAIN_STEPS, DiffLoss
+    head = randomize(DiffLoss(4, 16, depth=2, width=64), 0, std=0.2)
+    other = randomize(DiffLoss(4, 16, depth=2, width=64), 1, std=0.2)
+    x, z = torch.randn(64, 4), torch.randn(64, 16)
+    seen = []
+    forward = head.net.forward
+    head.net.forward = lambda x_t, t, c: (seen.append(t), forward(x_t, t, c))[1]
+    head.loss(x, z, generator=torch.Generator().manual_seed(2), last_step_prob=1.0)
+    assert (seen[0] == TRAIN_STEPS - 1).all()
+    head.loss(x, z, generator=torch.Generator().manual_seed(2))
+    assert len(set(seen[1].tolist())) > 32                     # MAR's uniform t otherwise
+    del head.net.forward
+    g = lambda: torch.Generator().manual_seed(3)  # noqa: E731
+    plain = head.loss(x, z, generator=g())
+    assert torch.allclose(head.loss(x, z, generator=g(), teacher=(head, z, 1.0)), plain)
+    assert head.loss(x, z, generator=g(), teacher=(other, z, 1.0)) > plain + 1e-3

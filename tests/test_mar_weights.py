@@ -44,9 +44,6 @@ def test_shipped_models_are_a_caption_conditioned_target_and_a_smaller_draft(shi
         assert r["eval_loss_mask0.9_cond"] < r["eval_loss_mask0.9_uncond"], (stage, r)
 
 
-@pytest.mark.xfail(strict=True, reason="the shipped VAE is undertrained (400 crop steps on a shared CPU, TRAINING.md): "
-                                      "15.4 dB on these scenes against 14.7 dB for a flat mean colour; retrain it "
-                                      "with more steps and drop this mark")
 def test_shipped_vae_reconstructs_fresh_scenes(shipped):
     from decoding.shapes.world import render, sample_scenes
     from workflows.training.vq import psnr
@@ -57,7 +54,23 @@ def test_shipped_vae_reconstructs_fresh_scenes(shipped):
         mean, _ = vae.moments(x)
         rec = vae.decode(mean)
     flat = x.mean((2, 3), keepdim=True).expand_as(x)       # every pixel the image's mean colour
-    assert psnr(rec, x) > psnr(flat, x) + 3.0
+    pooled = torch.nn.functional.interpolate(torch.nn.functional.avg_pool2d(x, 4), scale_factor=4)
+    # 4 latent channels per 4x4 patch must do better than the patch's mean colour (3 numbers)
+    assert psnr(rec, x) > max(psnr(flat, x) + 3.0, psnr(pooled, x)), (psnr(rec, x), psnr(flat, x), psnr(pooled, x))
+
+
+@pytest.mark.parametrize("which", ["target", "draft"])
+def test_shipped_samplers_draw_tokens_at_the_data_scale(shipped, which):
+    """Tokens are VAE latents times vae.args.scale = 1 / their spread, so a sampler's tokens have a spread
+    near 1. The first sampling step multiplies the head's ε error at t = 999 by ~316 (100 steps); an
+    earlier head (trained in bf16) drifted to tokens of spread ~1800 and cspd rejected every draft."""
+    from decoding.mar.bundle import MarBundle
+    model = shipped.mar if which == "target" else shipped.draft
+    b = MarBundle("one", shipped.vae, model, None, shipped.text, "cpu", "float32", shipped.sampling)
+    res = build_engine(b, engine_config("mar", num_iter=16)).generate(
+        b.conditions(["a red circle on a white background", "two small blue squares"]), [1, 2])
+    spread = float(np.std([r.tokens for r in res]))
+    assert 0.4 < spread < 2.5, spread
 
 
 @pytest.mark.parametrize("name", ["mar", "cspd"])
@@ -69,3 +82,6 @@ def test_shipped_models_generate(shipped, name):
     if name == "cspd":
         drafted = res.records["window_pos"] >= 0
         assert drafted.any() and res.draft_forwards > 0 and res.target_forwards < 16
+        # the draft was distilled onto the target: CSpD (λ = 42) keeps most of its tokens (0 of 984 for the
+        # earlier weights, whose samplers drifted; ~0.6 on 8 prompts at 64 and 256 steps, TRAINING.md)
+        assert res.records["accepted"][drafted].mean() > 0.25, res.records["accepted"][drafted].mean()

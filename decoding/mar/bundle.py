@@ -41,6 +41,10 @@ class MarBundle:
                 if getattr(draft.args, key) != getattr(mar.args, key):
                     raise ValueError(f"the draft MAR's {key} ({getattr(draft.args, key)}) differs from the target's "
                                      f"({getattr(mar.args, key)}): a draft must share the target's tokens and condition")
+            for key in ("num_sampling_steps", "clip_x0"):   # the sampler as run (model.* may override the args)
+                if getattr(draft.diffloss, key) != getattr(mar.diffloss, key):
+                    raise ValueError(f"the draft's diffusion sampler has {key}={getattr(draft.diffloss, key)} and the "
+                                     f"target's {getattr(mar.diffloss, key)}: aligned trajectories need the same sampler")
         if mar.args.token_dim != vae.args.embed_dim:
             raise ValueError(f"the MAR reads {mar.args.token_dim}-channel tokens and the VAE makes {vae.args.embed_dim}")
         self.vae, self.text = (m.to(self.device).eval() if m is not None else None for m in (vae, text))

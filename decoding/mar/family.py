@@ -37,6 +37,8 @@ class MarConfig(ModelConfig):
     num_heads: Optional[int] = None          # public checkpoints: attention heads (null = by the MAR preset of that width)
     vae_scale: float = 0.2325                # public checkpoints: token = scale * VAE latent (KL-16)
     num_sampling_steps: Optional[int] = None  # diffusion steps per token (null = the model's own: MAR 100)
+    clip_x0: Optional[float] = None          # clip the head's predicted x_0 to ±this (null = the model's own:
+                                             # none for MAR checkpoints, the shipped models carry theirs)
 
 
 def weights_dir(cfg: MarConfig) -> Path:
@@ -55,7 +57,20 @@ def load(cfg: MarConfig, device) -> MarBundle:
     draft = None if cfg.draft_mar_ckpt is None else \
         load_mar(cfg.draft_mar_ckpt, "model.draft_mar_ckpt", cfg.use_ema, cfg.num_heads, cfg.num_sampling_steps)
     vae = load_vae(cfg.vae_ckpt, "model.vae_ckpt", cfg.vae_scale)
+    _sampler(cfg, target, draft)
     return MarBundle("mar", vae, target, draft, None, device, cfg.dtype, FAMILY.sampling)
+
+
+def _sampler(cfg: MarConfig, *models) -> None:
+    """The sampler settings given in `model.` over the models' own."""
+    if cfg.clip_x0 is not None and not cfg.clip_x0 > 0:
+        raise ValueError(f"model.clip_x0={cfg.clip_x0}: must be > 0 (null = the model's own setting)")
+    for m in models:
+        if m is not None:
+            if cfg.num_sampling_steps:
+                m.diffloss.num_sampling_steps = cfg.num_sampling_steps
+            if cfg.clip_x0 is not None:
+                m.diffloss.clip_x0 = cfg.clip_x0
 
 
 def _load_shipped(cfg: MarConfig, device) -> MarBundle:
@@ -67,9 +82,7 @@ def _load_shipped(cfg: MarConfig, device) -> MarBundle:
                                 f"or point model.weights_dir elsewhere")
     target = load_module(d / "mar.safetensors", MAR)
     draft = load_module(d / "draft.safetensors", MAR) if (d / "draft.safetensors").exists() else None
-    for m in (target, draft):
-        if m is not None and cfg.num_sampling_steps:
-            m.diffloss.num_sampling_steps = cfg.num_sampling_steps
+    _sampler(cfg, target, draft)
     return MarBundle("mar", load_module(d / "vae.safetensors", AutoencoderKL), target, draft,
                      load_module(d / "text.safetensors", TextEncoder), device, cfg.dtype, FAMILY.sampling)
 

@@ -225,24 +225,47 @@ class DiffLoss(nn.Module):
         super().__init__()
         self.in_channels = target_channels
         self.num_sampling_steps = num_sampling_steps
+        self.clip_x0: float | None = None   # sampling: clip the predicted x_0 to ±clip_x0 (IDDPM's clip_denoised; MAR: None)
         self.net = SimpleMLPAdaLN(target_channels, width, z_channels, depth)
 
     def loss(self, target: torch.Tensor, z: torch.Tensor, mask: torch.Tensor | None = None,
-             generator: torch.Generator | None = None) -> torch.Tensor:
-        """target [n, C], z [n, Dd], mask [n] (1 = counts): MSE on ε + the variational bound (bits)."""
+             generator: torch.Generator | None = None, last_step_prob: float = 0.0,
+             teacher: tuple | None = None) -> torch.Tensor:
+        """target [n, C], z [n, Dd], mask [n] (1 = counts): MSE on ε + the variational bound (bits).
+
+        The head runs in fp32 whatever autocast says (its inputs are a few rows): sampling starts at
+        t = T-1, where the cosine schedule's ᾱ is 2e-9 and the first step multiplies the error of ε by
+        ~316 (100 sampling steps; more with fewer), so ε must be right to ~1e-3 there; bf16 gives 3 digits.
+        `last_step_prob`: the fraction of rows trained at t = T-1 instead of a uniform t (MAR: 0). Any
+        weighting over t has the same minimiser (the best ε per t); this one spends more of a short run
+        where the sampler amplifies errors most.
+        `teacher`: (head, z_teacher [n, Dd'], weight): add weight * the mean squared difference between this
+        head's outputs (ε and variance values) and the teacher head's at the same x_t, t (distillation of a
+        draft onto its target: CSpD accepts a token when the two agree)."""
         s = schedule(None)
-        t = torch.randint(0, s.num_timesteps, (len(target),), device=target.device, generator=generator)
+        n = len(target)
+        t = torch.randint(0, s.num_timesteps, (n,), device=target.device, generator=generator)
+        if last_step_prob > 0:
+            last = torch.rand(n, device=target.device, generator=generator) < last_step_prob
+            t = torch.where(last, torch.full_like(t, s.num_timesteps - 1), t)
+        target = target.float()
         noise = torch.randn(target.shape, device=target.device, generator=generator, dtype=target.dtype)
         x_t = _extract(s.sqrt_ac, t, target) * target + _extract(s.sqrt_1m_ac, t, target) * noise
-        out = self.net(x_t, t, z).float()
-        eps, v = out.split(self.in_channels, dim=1)
-        mse = (eps - noise).pow(2).mean(1)
-        # the variational bound trains the variance only (the mean is frozen in it)
-        mean, logvar = self._mean_logvar(s, x_t, t, eps.detach(), v)
-        true_mean = _extract(s.coef1, t, target) * target + _extract(s.coef2, t, target) * x_t
-        kl = normal_kl(true_mean, _extract(s.post_logvar, t, target), mean, logvar).mean(1) / math.log(2.0)
-        nll = -discretized_gaussian_loglik(target, mean, 0.5 * logvar).mean(1) / math.log(2.0)
-        loss = mse + torch.where(t == 0, nll, kl)
+        with torch.autocast(target.device.type, enabled=False):
+            out = self.net(x_t, t, z.float())
+            eps, v = out.split(self.in_channels, dim=1)
+            mse = (eps - noise).pow(2).mean(1)
+            # the variational bound trains the variance only (the mean is frozen in it)
+            mean, logvar = self._mean_logvar(s, x_t, t, eps.detach(), v)
+            true_mean = _extract(s.coef1, t, target) * target + _extract(s.coef2, t, target) * x_t
+            kl = normal_kl(true_mean, _extract(s.post_logvar, t, target), mean, logvar).mean(1) / math.log(2.0)
+            nll = -discretized_gaussian_loglik(target, mean, 0.5 * logvar).mean(1) / math.log(2.0)
+            loss = mse + torch.where(t == 0, nll, kl)
+            if teacher is not None:
+                head, z_t, weight = teacher
+                with torch.no_grad():
+                    ref = head.net(x_t, t, z_t.float())
+                loss = loss + weight * (out - ref).pow(2).mean(1)
         if mask is None:
             return loss.mean()
         return (loss * mask).sum() / mask.sum().clamp(min=1)
@@ -265,7 +288,9 @@ class DiffLoss(nn.Module):
 
         Per step i (IDDPM's p_sample with a learned range, in fewer ops): log σ_i² = lo_i + hi_i * v (the
         interpolation between log β̃_i and log β_i), μ_i = a_i x_t - b_i ε (the posterior mean of the
-        predicted x_0), x_{t-1} = μ_i + σ_i * temperature * ε_i."""
+        predicted x_0), x_{t-1} = μ_i + σ_i * temperature * ε_i. With `clip_x0` set, the predicted x_0 is
+        clipped to ±clip_x0 first (IDDPM's clip_denoised with a bound in token units): at t = 999 it is
+        (x_T − √(1−ᾱ) ε̂)/√ᾱ with √ᾱ = 5e-5, so a small ε error there is a huge x_0 (docs/design.md)."""
         S = steps or self.num_sampling_steps
         k = _sampler_constants(S)
         t = torch.as_tensor(k["t"], device=x_T.device)
@@ -283,7 +308,11 @@ class DiffLoss(nn.Module):
             if guided:
                 eps = torch.lerp(out[n:, :C], eps, scale)                 # uncond + s (cond - uncond)
             logvar = v.mul(k["hi"][i]).add_(k["lo"][i])
-            mean = torch.sub(x * k["a"][i], eps, alpha=k["b"][i])
+            if self.clip_x0 is None:
+                mean = torch.sub(x * k["a"][i], eps, alpha=k["b"][i])
+            else:
+                x0 = torch.sub(x * k["r1"][i], eps, alpha=k["r2"][i]).clamp_(-self.clip_x0, self.clip_x0)
+                mean = torch.add(x * k["c2"][i], x0, alpha=k["c1"][i])
             sigma = torch.exp(0.5 * logvar)
             if i == 0:
                 return HeadSample(mean, sigma * temperature, L)
@@ -300,4 +329,7 @@ def _sampler_constants(steps: int) -> dict:
     mid, half = (s.max_logvar + s.post_logvar) / 2, (s.max_logvar - s.post_logvar) / 2
     return {"t": [int(v) for v in s.timestep_map], "lo": [float(v) for v in mid], "hi": [float(v) for v in half],
             "a": [float(v) for v in s.coef1 * s.sqrt_recip_ac + s.coef2],
-            "b": [float(v) for v in s.coef1 * s.sqrt_recipm1_ac]}
+            "b": [float(v) for v in s.coef1 * s.sqrt_recipm1_ac],
+            # unfolded (clip_x0): x_0 = r1 x_t - r2 ε, mean = c1 x_0 + c2 x_t
+            "r1": [float(v) for v in s.sqrt_recip_ac], "r2": [float(v) for v in s.sqrt_recipm1_ac],
+            "c1": [float(v) for v in s.coef1], "c2": [float(v) for v in s.coef2]}

@@ -49,6 +49,7 @@ class MARArgs:
     diffloss_d: int = 3
     diffloss_w: int = 1024
     num_sampling_steps: int = 100
+    clip_x0: Optional[float] = None  # sampling: clip the head's predicted x_0 to ±clip_x0 (MAR: none; DiffLoss.sample)
     norm_eps: float = 1e-6           # MAR's presets: partial(nn.LayerNorm, eps=1e-6)
 
     @property
@@ -148,6 +149,7 @@ class MAR(nn.Module):
         self.diffusion_pos_embed_learned = nn.Parameter(torch.zeros(1, N, Dd))
         self._init()
         self.diffloss = DiffLoss(a.token_dim, Dd, a.diffloss_d, a.diffloss_w, a.num_sampling_steps)
+        self.diffloss.clip_x0 = a.clip_x0
 
     def _init(self):
         """MAR's init: normal(0.02) embeddings, xavier-uniform Linears, unit LayerNorms (before the head,
@@ -235,18 +237,31 @@ class MAR(nn.Module):
         return min(1.0, max(lo, 1.0 + 0.25 * math.sqrt(2) * torch.erfinv(torch.tensor(2 * p - 1)).item()))
 
     def loss(self, tokens: torch.Tensor, buffer: torch.Tensor, diffusion_batch_mul: int = 4,
-             generator: Optional[torch.Generator] = None) -> torch.Tensor:
+             generator: Optional[torch.Generator] = None, last_step_prob: float = 0.0,
+             teacher: Optional[tuple] = None) -> torch.Tensor:
         """tokens [B, N, C] (scaled latents), buffer [B, buf, D] (condition dropout already applied):
         random orders, one masking ratio per batch (MAR), diffusion loss on the masked tokens, each
-        repeated `diffusion_batch_mul` times with its own timestep and noise."""
+        repeated `diffusion_batch_mul` times with its own timestep and noise. `last_step_prob`: see
+        DiffLoss.loss. `teacher`: (MAR, its buffer, weight): the teacher sees the same known tokens and its
+        head the same x_t and t; this model's head is pulled towards its outputs (DiffLoss.loss)."""
         B, N, C = tokens.shape
         order = torch.rand(B, N, generator=generator).argsort(1).to(tokens.device)
         n_masked = math.ceil(N * self.mask_ratio(generator))
         known = order[:, n_masked:].sort(1).values
-        z = self.forward_z(tokens, known, buffer)
-        # the head runs on the masked tokens only (MAR runs it on all and zeroes the others' loss: the same loss)
         masked = order[:, :n_masked]
+
+        def conditions(model, buf):
+            # the head runs on the masked tokens only (MAR runs it on all and zeroes the others' loss: the same loss)
+            z = model.forward_z(tokens, known, buf)
+            return z.gather(1, masked[..., None].expand(-1, -1, z.shape[-1])).reshape(B * n_masked, -1)
+
+        z = conditions(self, buffer)
         target = tokens.gather(1, masked[..., None].expand(-1, -1, C)).reshape(B * n_masked, C)
-        z = z.gather(1, masked[..., None].expand(-1, -1, z.shape[-1])).reshape(B * n_masked, -1)
         m = diffusion_batch_mul
-        return self.diffloss.loss(target.repeat(m, 1), z.repeat(m, 1), generator=generator)
+        distill = None
+        if teacher is not None:
+            model, buf, weight = teacher
+            with torch.no_grad():
+                distill = (model.diffloss, conditions(model, buf).repeat(m, 1), weight)
+        return self.diffloss.loss(target.repeat(m, 1), z.repeat(m, 1), generator=generator,
+                                  last_step_prob=last_step_prob, teacher=distill)

@@ -149,7 +149,7 @@ def _mar_args(cfg, vae: AutoencoderKL, text: TextEncoder) -> MARArgs:
                    decoder_num_heads=cfg.heads, vae_embed_dim=vae.args.embed_dim, mask_ratio_min=cfg.mask_ratio_min,
                    label_drop_prob=cfg.cond_dropout, cond="caption", class_num=0, caption_dim=text.args.dim,
                    buffer_size=text.args.max_len, diffloss_d=cfg.head_depth, diffloss_w=cfg.head_width,
-                   num_sampling_steps=cfg.num_sampling_steps)
+                   num_sampling_steps=cfg.num_sampling_steps, clip_x0=cfg.get("clip_x0"))
 
 
 def train_mar(cfg, out_dir: Path, name: str = "mar") -> dict:
@@ -177,6 +177,11 @@ def train_mar(cfg, out_dir: Path, name: str = "mar") -> dict:
     log.info(f"[{name}] encoded {len(mean)} training images to {tuple(mean.shape[1:])} latents")
     gen = torch.Generator().manual_seed(cfg.seed)
     ema = EMA(model, cfg.ema)
+    teacher = None
+    if cfg.get("distill", 0):  # the draft imitates the target's head (trained before it: stage `mar`)
+        t_model = load_module(_need(out_dir / f"{cfg.teacher}.safetensors", "mar"), MAR).eval().requires_grad_(False)
+        teacher = (t_model, cfg.distill)
+        log.info(f"[{name}] distilling from {cfg.teacher}.safetensors (weight {cfg.distill})")
 
     def tokens_of(m, lv, g):
         z = m + torch.exp(0.5 * lv) * torch.randn(m.shape, generator=g)   # posterior samples, as MAR trains
@@ -190,7 +195,12 @@ def train_mar(cfg, out_dir: Path, name: str = "mar") -> dict:
         b = torch.randint(len(mean), (cfg.batch,), generator=gen)
         drop = torch.rand(cfg.batch, generator=gen) < cfg.cond_dropout
         buf = model.buffer(features=feats[b], mask=mask[b], drop=drop)
-        return model.loss(tokens_of(mean[b], logvar[b], gen), buf, cfg.diffusion_batch_mul, gen), {}
+        t_arg = None
+        if teacher is not None:
+            with torch.no_grad():
+                t_arg = (teacher[0], teacher[0].buffer(features=feats[b], mask=mask[b], drop=drop), teacher[1])
+        return model.loss(tokens_of(mean[b], logvar[b], gen), buf, cfg.diffusion_batch_mul, gen,
+                          last_step_prob=cfg.get("last_step_prob", 0.0), teacher=t_arg), {}
 
     stats = run_steps(name, model.parameters(), step, cfg.steps, cfg.lr, weight_decay=cfg.weight_decay,
                       warmup=cfg.warmup, log_every=cfg.log_every)
@@ -224,4 +234,34 @@ def evaluate_mar(model: MAR, vae: AutoencoderKL, ev, seed: int, reps: int = 4) -
                 losses.append(model.diffloss.loss(tokens.reshape(B * N, -1), zc.reshape(B * N, -1),
                                                   masked.reshape(-1), generator=g).item())
             out[f"eval_loss_mask{ratio}_{'cond' if cond else 'uncond'}"] = round(float(np.mean(losses)), 4)
+    out.update(sampler_check(model, vae, ev, seed))
+    return out
+
+
+@torch.no_grad()
+def sampler_check(model: MAR, vae: AutoencoderKL, ev, seed: int, steps: int = 100) -> dict:
+    """What the sampler needs of the head, on held-out images at masking ratio 0.9 with the caption:
+    the ε error at t = T-1 (the first sampling step multiplies it by ~316) and the spread of tokens drawn
+    by the 100-step sampler against the data's (a head whose first step is off drifts to huge tokens),
+    with the model's clip_x0 and without."""
+    from decoding.models.diffloss import schedule
+    mean, logvar, feats, mask = ev
+    g = torch.Generator().manual_seed(seed)
+    tokens = model.patchify(mean * vae.args.scale)
+    B, N, C = tokens.shape
+    order = torch.rand(B, N, generator=g).argsort(1)
+    known = order[:, math.ceil(N * 0.9):].sort(1).values
+    z = model.forward_z(tokens, known, model.buffer(features=feats, mask=mask)).reshape(B * N, -1)
+    x0 = tokens.reshape(B * N, C)
+    s = schedule(None)
+    T = s.num_timesteps - 1
+    noise = torch.randn(x0.shape, generator=g)
+    x_t = math.sqrt(s.ac[T]) * x0 + math.sqrt(1 - s.ac[T]) * noise
+    eps = model.diffloss.net(x_t, torch.full((len(x0),), T), z)[:, :C]
+    x_T, eps_t = torch.randn(x0.shape, generator=g), torch.randn(len(x0), steps, C, generator=g)
+    out = {"eps_mse_last_step": round(float((eps - noise).pow(2).mean()), 6), "data_std": round(float(x0.std()), 4),
+           "sample_std": round(float(model.diffloss.sample(z, x_T, eps_t, 1.0, steps=steps).x.std()), 4)}
+    clip, model.diffloss.clip_x0 = model.diffloss.clip_x0, None
+    out["sample_std_unclipped"] = round(float(model.diffloss.sample(z, x_T, eps_t, 1.0, steps=steps).x.std()), 4)
+    model.diffloss.clip_x0 = clip
     return out
