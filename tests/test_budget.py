@@ -238,6 +238,27 @@ def aten_ops(fn) -> dict:
     return Counter(e.name for e in p.events() if e.name.startswith("aten::"))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_pending_feature_write_touches_only_its_rows(dtype):
+    """put_rows writes the indexed rows and nothing else, without copying the buffer (an op count cannot
+    see it: scatter_ into a bf16 buffer on a CPU is one op that copies the whole [R, S, D] buffer twice)."""
+    from torch.profiler import ProfilerActivity, profile
+    from decoding.engines.tree import put_rows
+    buf = torch.zeros(6, 40, 8, dtype=dtype)
+    idx = torch.tensor([[3, 39], [0, 1], [5, 5], [39, 2], [7, 8], [1, 0]])
+    values = torch.randn(6, 2, 8).to(dtype)
+    want = buf.clone()
+    for r in range(6):
+        for k in range(2):
+            want[r, idx[r, k]] = values[r, k]
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as p:
+        put_rows(buf, idx, values)
+    assert torch.equal(buf, want)
+    big = [e.name for e in p.events() if any(list(s) == list(buf.shape) for s in e.input_shapes if s)
+           and e.name in ("aten::copy_", "aten::clone", "aten::_to_copy")]
+    assert not big, big
+
+
 @pytest.mark.parametrize("name", list(TREES))
 def test_a_plain_step_is_vanillas_step(name, tmp_path, monkeypatch):
     """A plain step of a tree engine does vanilla's work: the same forward, no drafter, no more reads
@@ -266,7 +287,7 @@ def test_a_plain_step_is_vanillas_step(name, tmp_path, monkeypatch):
     assert [plain[k] for k in syncs] == [vanilla[k] for k in syncs], (plain, vanilla)
     assert plain["aten::linear"] == vanilla["aten::linear"]              # the same forward
     extra = sum(plain.values()) - sum(vanilla.values())
-    assert extra <= 16, {k: plain[k] - vanilla[k] for k in set(plain) | set(vanilla) if plain[k] != vanilla[k]}
+    assert extra <= 24, {k: plain[k] - vanilla[k] for k in set(plain) | set(vanilla) if plain[k] != vanilla[k]}
     assert tst.log.n.tolist() == vst.log.n.tolist() == [2] * 8
 
 
@@ -294,8 +315,10 @@ def test_the_engine_reports_each_step_to_the_budget_as_planned(tmp_path, monkeyp
     bundle = tiny_bundle(vocab=8, grid=4, seed=1, std=0.3)
     engine = build_engine(bundle, engine_config("eagle2", sampling=SAMPLING, **TREES["eagle2"]))
     plans, seen = [], []
-    plan, observe = engine.budget.plan, engine.budget.observe
-    engine.budget.plan = lambda R, pending: plans.append(plan(R, pending)) or plans[-1]
+    observe = engine.budget.observe
+    # a fixed mix of plain and speculative plans (the budget's own choice depends on measured time, and
+    # this test is about what the engine reports, not what the budget chooses)
+    engine.budget.plan = lambda R, pending: plans.append([0, 4, 16][len(plans) % 3]) or plans[-1]
     engine.budget.observe = lambda R, K, ms, fwd, tokens=1.0, *a, **k: (seen.append((K, ms, tokens)),
                                                                         observe(R, K, ms, fwd, tokens, *a, **k))
     outs = engine.stream([Request(c, i, i) for i, c in enumerate(labels(6).split())], slots=8)   # 2 slots idle

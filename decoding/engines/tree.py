@@ -40,6 +40,13 @@ from decoding.sampling import Streams, sample
 NEG = float("-inf")
 
 
+def put_rows(buf: torch.Tensor, idx: torch.Tensor, values: torch.Tensor) -> None:
+    """buf[r, idx[r, k]] = values[r, k] for buf [R, S, D], idx [R, K], values [R, K, D]. Not scatter_: on a
+    CPU, scatter_ into a bf16 buffer copies the whole buffer twice (the profiler: 2 x [32, 257, 256] per
+    step, 6% of a plain step at batch 16); indexed assignment writes only the K rows."""
+    buf[torch.arange(buf.shape[0], device=buf.device)[:, None], idx] = values
+
+
 @dataclass
 class TreeConfig(EngineConfig):
     # Most nodes a tree may have (one target forward verifies them all); EAGLE-2's reference is 60.
@@ -192,7 +199,7 @@ class TreeEngine(SlotEngine):
             x = sample(probs, st.u.gather(1, log.n.clamp(max=N - 1)[:, None])[:, 0])
             count = active.long()
             # the pending buffer: a finished row writes its last slot, which no catch-up reads
-            st.feats.scatter_(1, self.rows(last)[..., None].expand(-1, 1, f.shape[-1]), f)
+            put_rows(st.feats, self.rows(last), f)
             log.commit(count, token_id=x, p_target=probs.gather(1, x[:, None])[:, 0], step=st.step, accept_len=1)
             log.target_forwards += count
 
@@ -389,7 +396,7 @@ class TreeEngine(SlotEngine):
         st.target.commit(self.rows(dst), self.rows(keep))
         at = torch.where(keep, n[:, None] - 1 + lanes, N)                  # token index of each kept feature
         f = tfeats.gather(1, self.rows(idx)[..., None].expand(-1, -1, tfeats.shape[-1]))
-        st.feats.scatter_(1, self.rows(at)[..., None].expand(-1, -1, f.shape[-1]), f)
+        put_rows(st.feats, self.rows(at), f)
         return m_max
 
 
