@@ -318,10 +318,12 @@ def test_the_engine_reports_each_step_to_the_budget_as_planned(tmp_path, monkeyp
     observe = engine.budget.observe
     # a fixed mix of plain and speculative plans (the budget's own choice depends on measured time, and
     # this test is about what the engine reports, not what the budget chooses)
-    engine.budget.plan = lambda R, pending: plans.append([0, 4, 16][len(plans) % 3]) or plans[-1]
+    engine.budget.plan = lambda R, pending: plans.append([0, 4, 8][len(plans) % 3]) or plans[-1]   # <= total_tokens
     engine.budget.observe = lambda R, K, ms, fwd, tokens=1.0, *a, **k: (seen.append((K, ms, tokens)),
                                                                         observe(R, K, ms, fwd, tokens, *a, **k))
     outs = engine.stream([Request(c, i, i) for i, c in enumerate(labels(6).split())], slots=8)   # 2 slots idle
+    outs = list(outs)
+    assert not [o.error for o in outs if o.error], [o.error for o in outs if o.error]
     out = [o.result for o in outs]
     assert [K for K, _, _ in seen] == plans and 0 in plans and max(plans) > 0
     assert all(ms > 0 for _, ms, _ in seen)
