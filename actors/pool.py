@@ -127,7 +127,7 @@ def run_batches(cfg, out_dir: Path, batches, progress, placements: list, stop=No
     except RayActorError as e:
         raise _start_error(e) from None
     batches = iter(batches)
-    retry, attempts, inflight, lost = deque(), {}, {}, set()
+    queue, attempts, inflight, lost = deque(), {}, {}, set()   # queue: retried or peeked batches, first
     nodes = NodeWatch()
     for a in range(n):
         nodes.track(a, actors[a])
@@ -135,18 +135,17 @@ def run_batches(cfg, out_dir: Path, batches, progress, placements: list, stop=No
     def submit(a: int) -> None:
         if actors[a] is None or stop:
             return
-        items = retry.popleft() if retry else next(batches, None)
+        items = queue.popleft() if queue else next(batches, None)
         if items is not None:
             inflight[actors[a].run.remote(part_name(items), items)] = (a, items, actors[a])
 
-    def more() -> bool:   # batches left to submit (peeks the iterator)
-        nonlocal batches
-        if retry:
+    def more() -> bool:   # batches left to submit (peeks the iterator into `queue`)
+        if queue:
             return True
         nxt = next(batches, None)
         if nxt is None:
             return False
-        retry.append(nxt)
+        queue.append(nxt)
         return True
 
     for a in range(n):
@@ -177,7 +176,7 @@ def run_batches(cfg, out_dir: Path, batches, progress, placements: list, stop=No
             if isinstance(getattr(e, "cause", None), OutDirError):
                 raise e.cause from None         # disk full, read-only, permission: no retry can help
             if actor in lost:                   # its node died: not the batch's fault
-                retry.appendleft(items)
+                queue.appendleft(items)
                 submit(next((b for b in range(n) if actors[b] is not None), a))
                 continue
             attempts[part] = attempts.get(part, 0) + 1
@@ -188,7 +187,7 @@ def run_batches(cfg, out_dir: Path, batches, progress, placements: list, stop=No
                 actors[a] = spawn(a)
                 nodes.track(a, actors[a])
             if attempts[part] <= c.max_actor_restarts:
-                retry.appendleft(items)
+                queue.appendleft(items)
                 submit(a)
                 continue
             res = _error_part(out_dir, part, items, cfg.engine.name, reason)
