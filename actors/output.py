@@ -333,8 +333,14 @@ def quarantine(out_dir: Path, part: str, reason: str) -> Path:
     return q
 
 
-def _remove_leftovers(out_dir: Path, parts) -> None:
-    """Temporary files of interrupted writes, and tokens/errors files of parts never committed."""
+def remove_leftovers(out_dir: Path, parts=None) -> None:
+    """Remove the temporary files of interrupted writes, and the tokens/errors files of parts never
+    committed (no images file; `parts`: the committed parts, by default those with an images file).
+    Run on start (`recover`) and when a job ends, its actors gone: a writer killed mid-part (a lost
+    node, SIGTERM with no grace left) leaves these, and no one else will. Never while writers run."""
+    if parts is None:
+        images_dir = out_dir / "images"
+        parts = {f.stem for f in images_dir.glob("*.parquet")} if images_dir.is_dir() else set()
     leftovers = [f for f in out_dir.glob(".*.tmp")]
     for table in TABLES:
         d = out_dir / table
@@ -388,7 +394,7 @@ def recover(out_dir: Path, verify: str = "quick") -> dict[str, int]:
     parts, damaged, rebuilt = _inspect(out_dir, verify == "full", lines)
     for part, reason in damaged.items():
         quarantine(out_dir, part, reason)
-    _remove_leftovers(out_dir, parts)
+    remove_leftovers(out_dir, parts)
     rewrite_manifest(out_dir, parts, lines, rebuilt)
     return parts
 

@@ -124,6 +124,22 @@ def test_job_submitted_to_a_real_head_with_token_auth(ray_head, tiny_weights, tm
         job_submission.JobSubmissionClient(url, headers={"Authorization": "Bearer " + "0" * 64}).list_jobs()
 
 
+def test_run_by_hand_with_an_explicit_address_finds_the_token(ray_head, tiny_weights, tmp_path):
+    """`python -m workflows.generate cluster.address=HOST:PORT` with the head's token at hand and
+    RAY_AUTH_MODE unset: the job switches to token mode itself (ray.init does so only for "auto") and
+    attaches; without that switch the head refuses it."""
+    gcs, _, token, _ = ray_head
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_AUTH_MODE", "RAY_ADDRESS")}
+    r = subprocess.run([sys.executable, "-m", "workflows.generate", f"model.weights_dir={tiny_weights}", *TINY,
+                        f"cluster.address={gcs}", "data.limit=2", "cluster.num_actors=1",
+                        "cluster.num_cpus_per_actor=1", f"out_dir={tmp_path / 'run'}"],
+                       cwd=REPO, capture_output=True, text=True, timeout=300,
+                       env={**env, "RAY_AUTH_TOKEN": token, "RAY_USAGE_STATS_ENABLED": "0"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "Connected to Ray cluster" in r.stderr
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["images"] == 2
+
+
 def test_default_command_starts_a_private_ray_beside_a_running_head(ray_head, tiny_weights, tmp_path):
     """cluster.address=null with RAY_ADDRESS pointing at the head (as `ray job submit` or a `ray start`
     leaves it): the job starts its own local Ray instead of attaching (which used to die with

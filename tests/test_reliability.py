@@ -361,6 +361,34 @@ def test_sigterm_stops_within_grace_and_rerun_is_exact(reference, tiny_weights, 
     assert_exact(out, reference, N)
 
 
+def test_what_a_writer_killed_mid_part_leaves_is_removed_when_the_job_ends(reference, tiny_weights, tmp_path):
+    """A writer killed mid-part (its node lost, the job stopped with no grace left) leaves a temporary
+    file and maybe the tokens file of a part it never committed; the next run's start would clean them,
+    but a job that completes must not leave them in the data set it hands over. They are planted here
+    mid-job, after the job's start-up cleaning: without the cleaning at the end, assert_exact fails."""
+    out, n = tmp_path / "run", 12
+    planted = []
+
+    def plant():
+        t0 = time.time()
+        while time.time() - t0 < 120:
+            if list((out / "images").glob("*.parquet")):
+                tokens = out / "tokens"
+                orphan = tokens / "part-0000009990-0000009992-0123456789abcdef.parquet"
+                shutil.copy(next(tokens.glob("part-*.parquet")), orphan)
+                (tokens / f".{orphan.name}.4242.deadbeef.tmp").write_bytes(b"PAR1 torn")
+                planted.append(time.time())
+                return
+            time.sleep(0.01)
+    th = threading.Thread(target=plant, daemon=True)
+    th.start()
+    job(*args(tiny_weights, out, n, "cluster.batch_size=2", "cluster.num_actors=1"))
+    done = time.time()
+    th.join()
+    assert planted and planted[0] < done, "the leftovers were not planted while the job ran"
+    assert_exact(out, reference, n)
+
+
 def test_lost_node_its_batches_are_retried_elsewhere(ray_cluster, reference, tiny_weights, tmp_path, caplog):
     """A third node joins; one actor (2 CPUs) on each node; the node is removed from the cluster mid-job
     (not only an actor process: its raylet and everything on it). The other nodes are full, so Ray

@@ -17,25 +17,13 @@ import sys
 import time
 from pathlib import Path
 
+import hydra
+from omegaconf import DictConfig
+
+from decoding import BYTES_VERSION
+from workflows.config import ConfigError, GenerateConfig, cli, one_line_errors, register, to_object
+
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-
-
-def _token_auth_default() -> None:
-    """Use Ray's token authentication when a token is at hand and RAY_AUTH_MODE is unset: the rule
-    `ray start --head` applies to itself, so a driver on a head started that way can attach. Ray reads
-    RAY_AUTH_MODE when it is imported, hence here, before any import of ray."""
-    if "RAY_AUTH_MODE" not in os.environ and (os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH")
-                                              or (Path.home() / ".ray" / "auth_token").exists()):
-        os.environ["RAY_AUTH_MODE"] = "token"
-
-
-_token_auth_default()
-
-import hydra  # noqa: E402
-from omegaconf import DictConfig  # noqa: E402
-
-from decoding import BYTES_VERSION  # noqa: E402
-from workflows.config import ConfigError, GenerateConfig, cli, one_line_errors, register, to_object  # noqa: E402
 
 log = logging.getLogger("arspec.job")
 register()
@@ -115,6 +103,21 @@ def validate(c: GenerateConfig) -> None:
         log.info(f"[generate] model.name={c.model.name}: no header check for this family; the actors load it")
 
 
+def _token_auth_when_attaching(address: str) -> None:
+    """Attaching to an explicit address with RAY_AUTH_MODE unset: use token authentication when a token
+    is at hand (RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH, ~/.ray/auth_token), the rule `ray start --head`
+    applies to itself and ray.init applies only to address="auto". Never for a private local Ray, which
+    decides for itself."""
+    if "RAY_AUTH_MODE" in os.environ or address == "auto":
+        return
+    try:
+        from ray._private.authentication.authentication_token_setup import (
+            maybe_enable_token_auth_if_token_available as enable)
+    except ImportError:          # a Ray without token authentication: nothing to switch on
+        return
+    enable(warn_if_disabled=False)
+
+
 def start_ray(cl) -> str | None:
     """Attach to cluster.address, or start a private local Ray (address="local": never a head that
     happens to run on this machine, nor RAY_ADDRESS). -> "attached", "local", or None when Ray was
@@ -123,6 +126,7 @@ def start_ray(cl) -> str | None:
     if ray.is_initialized():
         return None
     if cl.address:
+        _token_auth_when_attaching(cl.address)
         try:
             ray.init(address=cl.address)
         except ConnectionError as e:
@@ -276,7 +280,7 @@ def run(cfg: DictConfig) -> dict:
 
 
 def _generate(c: GenerateConfig, out_dir: Path, stop) -> dict:
-    from actors.output import write_bytes_atomic
+    from actors.output import remove_leftovers, write_bytes_atomic
     from actors.pool import ActorStartError, Progress, run_batches
     from workflows.lock import Preempted
     plan = plan_job(c, c.verify)
@@ -313,6 +317,7 @@ def _generate(c: GenerateConfig, out_dir: Path, stop) -> dict:
                 remove_placement_group(pg)
             if kind:
                 ray.shutdown()
+        remove_leftovers(out_dir)    # what writers killed mid-part (a lost node, a stop) left behind
     summary = summarize(tally, c, st.prompts, st.already, time.time() - t0, ray_start_s, t0 + ray_start_s, actors)
     summary["stopped"] = stop.reason
     write_bytes_atomic(json.dumps(summary, indent=2).encode(), out_dir / "summary.json", "summary.json")
