@@ -124,17 +124,23 @@ def test_job_submitted_to_a_real_head_with_token_auth(ray_head, tiny_weights, tm
         job_submission.JobSubmissionClient(url, headers={"Authorization": "Bearer " + "0" * 64}).list_jobs()
 
 
-def test_run_by_hand_with_an_explicit_address_finds_the_token(ray_head, tiny_weights, tmp_path):
-    """`python -m workflows.generate cluster.address=HOST:PORT` with the head's token at hand and
-    RAY_AUTH_MODE unset: the job switches to token mode itself (ray.init does so only for "auto") and
-    attaches; without that switch the head refuses it."""
+def test_run_by_hand_with_an_explicit_address_and_token_auth(ray_head, tiny_weights, tmp_path):
+    """`python -m workflows.generate cluster.address=HOST:PORT` on a token-auth head, the README's way: with
+    RAY_AUTH_MODE unset Ray does not use the token for an explicit address (only for "auto"), and the job
+    fails in one line saying to set it; with RAY_AUTH_MODE=token it attaches and completes."""
     gcs, _, token, _ = ray_head
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_AUTH_MODE", "RAY_ADDRESS")}
-    r = subprocess.run([sys.executable, "-m", "workflows.generate", f"model.weights_dir={tiny_weights}", *TINY,
-                        f"cluster.address={gcs}", "data.limit=2", "cluster.num_actors=1",
-                        "cluster.num_cpus_per_actor=1", f"out_dir={tmp_path / 'run'}"],
-                       cwd=REPO, capture_output=True, text=True, timeout=300,
-                       env={**env, "RAY_AUTH_TOKEN": token, "RAY_USAGE_STATS_ENABLED": "0"})
+    env.update(RAY_AUTH_TOKEN=token, RAY_USAGE_STATS_ENABLED="0")
+
+    def generate(out, **more):
+        return subprocess.run([sys.executable, "-m", "workflows.generate", f"model.weights_dir={tiny_weights}", *TINY,
+                               f"cluster.address={gcs}", "data.limit=2", "cluster.num_actors=1",
+                               "cluster.num_cpus_per_actor=1", f"out_dir={out}"],
+                              cwd=REPO, capture_output=True, text=True, timeout=300, env={**env, **more})
+    r = generate(tmp_path / "refused")
+    assert r.returncode == 2 and f"error: cluster.address={gcs}: cannot connect" in r.stderr
+    assert "set RAY_AUTH_MODE=token and give its token" in r.stderr.strip().splitlines()[-1]
+    r = generate(tmp_path / "run", RAY_AUTH_MODE="token")
     assert r.returncode == 0, r.stderr[-3000:]
     assert "Connected to Ray cluster" in r.stderr
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["images"] == 2

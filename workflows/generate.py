@@ -103,21 +103,6 @@ def validate(c: GenerateConfig) -> None:
         log.info(f"[generate] model.name={c.model.name}: no header check for this family; the actors load it")
 
 
-def _token_auth_when_attaching(address: str) -> None:
-    """Attaching to an explicit address with RAY_AUTH_MODE unset: use token authentication when a token
-    is at hand (RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH, ~/.ray/auth_token), the rule `ray start --head`
-    applies to itself and ray.init applies only to address="auto". Never for a private local Ray, which
-    decides for itself."""
-    if "RAY_AUTH_MODE" in os.environ or address == "auto":
-        return
-    try:
-        from ray._private.authentication.authentication_token_setup import (
-            maybe_enable_token_auth_if_token_available as enable)
-    except ImportError:          # a Ray without token authentication: nothing to switch on
-        return
-    enable(warn_if_disabled=False)
-
-
 def start_ray(cl) -> str | None:
     """Attach to cluster.address, or start a private local Ray (address="local": never a head that
     happens to run on this machine, nor RAY_ADDRESS). -> "attached", "local", or None when Ray was
@@ -126,13 +111,14 @@ def start_ray(cl) -> str | None:
     if ray.is_initialized():
         return None
     if cl.address:
-        _token_auth_when_attaching(cl.address)
         try:
             ray.init(address=cl.address)
-        except ConnectionError as e:
+        except ConnectionError as e:   # Ray turns token mode on by itself only for "auto", never for an address
+            token = ("set RAY_AUTH_MODE=token and " if os.environ.get("RAY_AUTH_MODE", "").lower() != "token" else "")
             raise ConfigError(f"cluster.address={cl.address}: cannot connect ({str(e).splitlines()[0]}); start the "
-                              f"cluster (ray start --head), or use cluster.address=null for a local Ray; with token "
-                              f"authentication, give its token (RAY_AUTH_TOKEN or ~/.ray/auth_token)") from None
+                              f"cluster (ray start --head), or use cluster.address=null for a local Ray; if the head "
+                              f"uses token authentication, {token}give its token (RAY_AUTH_TOKEN or "
+                              f"~/.ray/auth_token)") from None
         return "attached"
     need = math.ceil((cl.num_actors or 1) * cl.num_cpus_per_actor)
     ray.init(address="local", num_cpus=cl.local_num_cpus or max(need, os.cpu_count() or 1),
