@@ -62,6 +62,22 @@ def test_cost_table_is_measured_for_the_bundle():
     assert np.array(c.target_ms).shape == (2, 2) and min(min(r) for r in c.target_ms) > 0
 
 
+
+def test_cost_table_measures_only_the_rows_asked_and_caches_them(tmp_path, monkeypatch):
+    """An engine asks for its own row count when a batch starts: only rows the cache lacks are measured,
+    and the cache keeps every row measured so far; one measured row scales in proportion to R."""
+    import decoding.engines.cost as cost
+    asked, real = [], cost.measure
+    monkeypatch.setattr(cost, "measure", lambda b, rows: asked.append(list(rows)) or real(b, rows=rows, reps=1))
+    b = tiny_bundle(vocab=8, grid=4)
+    assert cost.cost_table(b, rows=(), cache_dir=str(tmp_path)).rows == [] and asked == []
+    one = cost.cost_table(b, rows=(4,), cache_dir=str(tmp_path))
+    assert one.rows == [4] and one.target(8, 2) == pytest.approx(2 * one.target(4, 2))
+    both = cost.cost_table(b, rows=(8,), cache_dir=str(tmp_path))
+    assert both.rows == [4, 8] and both.target_ms[0] == one.target_ms[0]
+    assert cost.cost_table(b, rows=(4, 8), cache_dir=str(tmp_path)).rows == [4, 8]
+    assert asked == [[4], [8]]
+
 SAMPLING = dict(cfg_scale=2.0, temperature=0.8, top_k=5, top_p=0.9)
 TREES = {"eagle2": dict(total_tokens=8, depth=3, width=3),
          "adt_tree": dict(total_tokens=8, depth=2, width=2, d_min=1, d_max=4, w_min=1, w_max=3)}

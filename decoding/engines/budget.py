@@ -53,7 +53,7 @@ EMA = 0.9
 SPEC_EMA = 0.5   # a speculative bucket's rate follows the image: one bad step outweighs half the past
 MARGIN = 1.1     # speculation must beat the plain rate by 10% to be taken, or to reset the back-off: one
                  # step's time is noisy, and a false "it pays" costs a run of slower steps
-PROBE_MIN, PROBE_MAX = 4, 256    # plain steps before speculation is probed again (doubling on each failure)
+PROBE_MIN, PROBE_MAX = 4, 1024   # plain steps before speculation is probed again (doubling on each failure)
 FLOOR_SAMPLES, FLOOR_EVERY = 2, 32  # plain steps measured first, and then at least one per FLOOR_EVERY steps
 
 

@@ -1,6 +1,7 @@
 """What a forward costs on this device: the target's and the drafter's milliseconds per forward as a
-function of rows x tokens per row, measured once per (device, model) when an engine starts and cached on
-disk (docs/design.md, "Budgets"). The tree engines' budget controller reads it to decide how many draft
+function of rows x tokens per row, measured once per (device, model, rows) and cached on disk
+(docs/design.md, "Budgets"). An engine asks for the one row count it runs (2 x slots with CFG) when it
+starts a batch: a fraction of a second, not the whole grid. The tree engines' budget controller reads it to decide how many draft
 tokens a step should verify, if any.
 
 A table, not a formula: on a CPU the cost of T tokens grows with T from the first token (compute
@@ -38,6 +39,8 @@ class CostTable:
         rows, tokens, t = np.array(self.rows, float), np.array(self.tokens, float), np.array(table, float)
         per_row = [np.interp(T, tokens, line) if T <= tokens[-1] else
                    line[-1] + (T - tokens[-1]) * (line[-1] - line[-2]) / (tokens[-1] - tokens[-2]) for line in t]
+        if len(rows) == 1:                     # one row count measured: cost in proportion to the rows
+            return float(per_row[0] * R / rows[0])
         if R <= rows[-1]:
             return float(np.interp(R, rows, per_row))
         return float(per_row[-1] + (R - rows[-1]) * (per_row[-1] - per_row[-2]) / (rows[-1] - rows[-2]))
@@ -104,21 +107,29 @@ def measure(bundle, rows=ROWS, tokens=TOKENS, reps: int = 3) -> CostTable:
     return CostTable(list(rows), list(tokens), out["target"], out["drafter"])
 
 
-def cost_table(bundle, cache_dir: str | None = None) -> CostTable:
-    """The cost table of this bundle on its device: from the cache, or measured now (a second or two)
-    and cached. `cache_dir` (default $ARSPEC_CACHE or ~/.cache/arspec) holds one JSON file per key."""
+def cost_table(bundle, rows=ROWS, cache_dir: str | None = None) -> CostTable:
+    """The cost table of this bundle on its device for at least `rows` (R values): what the cache holds,
+    plus the missing rows measured now (a fraction of a second each) and added to the cache. `cache_dir`
+    (default $ARSPEC_CACHE or ~/.cache/arspec) holds one JSON file per key. rows=() only reads the cache."""
     key = cache_key(bundle)
     folder = Path(cache_dir or os.environ.get("ARSPEC_CACHE") or Path.home() / ".cache" / "arspec") / "costs"
     path = folder / f"{key}.json"
+    table = CostTable([], list(TOKENS), [], [], key)
     if path.exists():
         try:
-            return CostTable(**json.loads(path.read_text()))
+            cached = CostTable(**json.loads(path.read_text()))
+            if cached.tokens == table.tokens:
+                table = cached
         except (ValueError, TypeError):
             pass                                                      # a damaged cache file: measure again
+    missing = sorted({int(r) for r in rows} - set(table.rows))
+    if not missing:
+        return table
     t0 = time.perf_counter()
-    table = measure(bundle)
-    table.key = key
-    log.info(f"[cost] measured in {time.perf_counter() - t0:.1f}s: {table.summary()}")
+    new = measure(bundle, rows=missing)
+    lines = sorted([*zip(table.rows, table.target_ms, table.drafter_ms), *zip(new.rows, new.target_ms, new.drafter_ms)])
+    table = CostTable([r for r, _, _ in lines], list(TOKENS), [t for _, t, _ in lines], [d for _, _, d in lines], key)
+    log.info(f"[cost] measured R={missing} in {time.perf_counter() - t0:.1f}s: {table.summary()}")
     try:
         folder.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")

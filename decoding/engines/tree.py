@@ -111,7 +111,7 @@ class TreeEngine(SlotEngine):
         if cfg.acceptance == "lantern":
             self.lantern = Lantern(codebook_neighbours(bundle.vq.quantize.codebook().detach(), cfg.lantern_k)
                                    .to(self.device), cfg.lantern_delta)
-        self.costs = cost_table(bundle) if cfg.budget == "auto" else None
+        self.costs = cost_table(bundle, rows=()) if cfg.budget == "auto" else None   # rows: on _start
         self.budget = Budget(self.costs, cfg.total_tokens, self.max_shape()[1])
 
     @property
@@ -128,6 +128,8 @@ class TreeEngine(SlotEngine):
     # -- a continuous batch -----------------------------------------------------------------------------
     def _start(self, slots: int):
         R, L, N, dev = (2 * slots if self.sampling.use_cfg else slots), self.L, self.N, self.device
+        if self.costs is not None and R not in self.costs.rows:          # this batch's row count: measure it
+            self.costs = self.budget.costs = cost_table(self.bundle, rows=(R,))
         d_max, w_max = self.max_shape()
         log = TokenLog(slots, N, self.G, dev)
         log.n[:] = N                                                       # empty slots are finished rows
