@@ -120,6 +120,27 @@ def test_continuous_batching_gives_every_prompt_its_own_image():
             assert all(o.result.wall_s > 0 for o in outs)
 
 
+def test_rows_that_drifted_a_little_restart_together_and_images_do_not_change():
+    """Speculation moves rows apart. A free row whose batch-mates finish within refill_wait tokens waits
+    for them, so the next prompts start in step (attention reads every row up to the longest one); with
+    refill_wait=0 rows refill one by one. Either way every prompt gets vanilla's image."""
+    bundle = tiny_bundle(vocab=8, grid=4, seed=1, std=0.3)
+    conds = labels(12).split()
+    ref = build_engine(bundle, engine_config("vanilla", sampling=SAMPLING)).generate(labels(12), list(range(12)))
+    groups = {}
+    for wait in (0, 16):
+        engine = build_engine(bundle, engine_config("eagle2", sampling=SAMPLING, budget="fixed", refill_wait=wait,
+                                                    **TREES["eagle2"]))
+        alternate(engine, [0, 3, 0, 0, 2])
+        admit, sizes = engine._admit_group, []
+        engine._admit_group = lambda st, new, _a=admit, _s=sizes: _s.append(len(new)) or _a(st, new)
+        outs = list(engine.stream((Request(c, i, key=i) for i, c in enumerate(conds)), slots=4))
+        assert {o.key: o.result.tokens.tolist() for o in outs} == {i: r.tokens.tolist() for i, r in enumerate(ref)}
+        groups[wait] = sizes
+    assert groups[16] == [4, 4, 4]                     # 16 tokens per image: rows always within 16 of each other
+    assert len(groups[0]) > 3 and min(groups[0]) < 4   # at once: rows refill apart
+
+
 def test_a_failing_prompt_does_not_stop_the_stream():
     bundle = tiny_bundle(vocab=8, grid=4, seed=1, std=0.3)
     engine = build_engine(bundle, engine_config("eagle2", sampling=SAMPLING, budget="fixed", **TREES["eagle2"]))
@@ -191,6 +212,30 @@ def test_measured_goodput_overrules_an_optimistic_model():
     assert sum(tokens) / sum(ms) >= 0.95 * PLAIN[1] / PLAIN[0]
     gaps = np.diff(spec[-4:])                                   # the probes back off geometrically
     assert (np.diff(gaps) > 0).all() and gaps[-1] >= 128, spec
+
+
+def test_a_new_engine_starts_from_what_the_last_one_learnt(tmp_path, monkeypatch):
+    """The lesson of the test above (speculation loses here) costs its probes once per device and model,
+    not once per actor: Budget.state goes through the cache (as JSON) and a new engine restores it when
+    it starts, then takes no speculative step for the length of the back-off it inherited."""
+    import json
+    from decoding.engines.cost import keep_learnt
+    first = optimistic()
+    assert sum(K > 0 for K in run(first, HARD, 600)) > 5
+    second = optimistic()
+    second.restore(json.loads(json.dumps(first.state())))
+    wait = first.measured[2].wait
+    spec = [i for i, K in enumerate(run(second, HARD, 600)) if K > 0]
+    assert wait >= 256 and len(spec) <= 1 and all(i >= wait - 1 for i in spec), (wait, spec)
+    monkeypatch.setenv("ARSPEC_CACHE", str(tmp_path))
+    bundle = tiny_bundle(vocab=8, grid=4, seed=1, std=0.3)
+    taught = Budget(table(lambda R, T: 10.0 + 0.01 * T), max_nodes=TREES["eagle2"]["total_tokens"], width=3)
+    run(taught, HARD, 300, R=8)
+    keep_learnt(bundle, taught.state())
+    engine = build_engine(bundle, engine_config("eagle2", sampling=SAMPLING, **TREES["eagle2"]))
+    engine._start(4)                                            # 8 rows with CFG
+    got, want = engine.budget.measured[8], taught.measured[8]
+    assert (got.rate, got.wait) == (want.rate, want.wait) and want.wait >= 128
 
 
 def test_probes_find_an_easy_stretch_and_speculation_resumes():

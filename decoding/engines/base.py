@@ -290,6 +290,8 @@ class SlotEngine(Engine):
                 state = self._start(slots)
             free = [b for b in range(slots) if owner[b] is None]
             idle = len(free) == slots
+            if free and not idle and self._stays_in_step(state, owner):
+                free = []                                    # the free rows wait: the batch restarts together
             new = list(zip(free, source.take(len(free), wait=idle)))
             if idle and not new:
                 return
@@ -328,6 +330,20 @@ class SlotEngine(Engine):
                 if done[b]:
                     yield Outcome(owner[b].key, self._result(state, b, owner[b], wall[b], phases[b]))
                     owner[b] = None
+
+    def refill_wait(self) -> int:
+        """Tokens a free row waits for the batch's busy rows to finish before it takes a new prompt (0:
+        never waits). Engines whose rows drift apart override it (tree.py)."""
+        return 0
+
+    def _stays_in_step(self, state, owner) -> bool:
+        """True when every busy row finishes within refill_wait() tokens: refilling now would start a new
+        prompt that many steps behind the others, and then every step of the batch pays for it."""
+        wait = self.refill_wait()
+        if wait <= 0:
+            return False
+        busy = torch.tensor([b for b, o in enumerate(owner) if o is not None], device=self.device)
+        return bool((self.N - state.log.n[busy]).max() <= wait)
 
     def _admit_all(self, state, new: list) -> dict:
         """Admit [(row, request)] together; if that fails, one by one, so that only the prompts that fail

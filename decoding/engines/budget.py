@@ -65,7 +65,7 @@ def bucket(K: int) -> int:
 @dataclass
 class Goodput:
     """Measured committed tokens per unfinished row per ms, by bucket (0 = plain), for one R."""
-    rate: dict = field(default_factory=dict)     # bucket -> EMA of tokens / row / ms
+    rate: dict = field(default_factory=dict)     # 0 -> EMA of tokens / row / ms; b > 0 -> EMA of that / plain's
     seen: dict = field(default_factory=dict)     # bucket -> step of its last measurement
     plain_n: int = 0                             # plain steps measured
     step: int = 0                                # steps planned
@@ -74,8 +74,16 @@ class Goodput:
     probing: bool = False                        # this step is a probe
 
     def update(self, b: int, rate: float) -> None:
-        """A speculative bucket's estimate ages with the steps since it was measured (the image changes);
-        the plain step's does not (its rate is the hardware's, whatever the image)."""
+        """rate[0] is the plain step's tokens / row / ms; rate[b > 0] a speculative bucket's rate over the
+        plain rate at the time it was measured. Relative, because steps of both kinds slow down alike as
+        the rows' positions grow (attention reads every row up to the longest, 2x from the start of an
+        image to its end on a CPU): an absolute rate measured early in an image beat a plain rate
+        measured late and turned speculation on for nothing. A speculative bucket's estimate ages with the
+        steps since it was measured (the image changes); the plain step's does not."""
+        if b > 0:
+            if 0 not in self.rate:
+                return
+            rate = rate / self.rate[0]
         old = 0.0 if b not in self.rate else EMA if b == 0 else SPEC_EMA ** (self.step - self.seen[b])
         self.rate[b] = old * self.rate[b] + (1 - old) * rate if b in self.rate else rate
         self.seen[b] = self.step
@@ -83,7 +91,7 @@ class Goodput:
 
     def below_plain(self, b: int) -> bool:
         """Measured, and not clearly better than a plain step (by MARGIN)."""
-        return b in self.rate and self.rate[b] < MARGIN * self.rate[0]
+        return b in self.rate and self.rate[b] < MARGIN
 
 
 class Budget:
@@ -179,6 +187,26 @@ class Budget:
             self.value[k:] = np.minimum(self.value[k:], self.value[k - 1])  # a rank never beats the one above
         if predicted > 0:
             self.calibration = EMA * self.calibration + (1 - EMA) * min(accepted / predicted, 2.0)
+
+    def state(self) -> dict:
+        """What was learnt, for the next engine on this device and model (cost.keep_learnt): acceptance,
+        calibration, overheads and, per R, the measured rates and the probe back-off. A new actor then
+        starts where the last one ended instead of paying again for the probes that taught it."""
+        return {"value": self.value.tolist(), "calibration": self.calibration, "overhead": dict(self.overhead),
+                "measured": {str(R): {"rate": {str(b): r for b, r in g.rate.items()}, "wait": g.wait}
+                             for R, g in self.measured.items()}}
+
+    def restore(self, state: dict | None) -> None:
+        """Start from `state` (Budget.state of an earlier engine). The plain rate is measured again first
+        (FLOOR_SAMPLES steps), and each probe still tests the image at hand."""
+        if not state or len(state.get("value", [])) != self.max:
+            return
+        self.value, self.calibration = np.array(state["value"], float), float(state["calibration"])
+        self.overhead = {k: float(state["overhead"][k]) for k in self.overhead}
+        for R, g in state["measured"].items():
+            rate = {int(b): float(r) for b, r in g["rate"].items()}
+            self.measured[int(R)] = Goodput(rate=rate, seen={b: 0 for b in rate},
+                                            wait=min(max(int(g["wait"]), PROBE_MIN), PROBE_MAX))
 
     def ceiling(self, R: int) -> float:
         """What this device allows: the best speedup over a plain step any tree of <= max nodes could give

@@ -112,8 +112,7 @@ def cost_table(bundle, rows=ROWS, cache_dir: str | None = None) -> CostTable:
     plus the missing rows measured now (a fraction of a second each) and added to the cache. `cache_dir`
     (default $ARSPEC_CACHE or ~/.cache/arspec) holds one JSON file per key. rows=() only reads the cache."""
     key = cache_key(bundle)
-    folder = Path(cache_dir or os.environ.get("ARSPEC_CACHE") or Path.home() / ".cache" / "arspec") / "costs"
-    path = folder / f"{key}.json"
+    path = _cache_file(bundle, cache_dir)
     table = CostTable([], list(TOKENS), [], [], key)
     if path.exists():
         try:
@@ -130,11 +129,34 @@ def cost_table(bundle, rows=ROWS, cache_dir: str | None = None) -> CostTable:
     lines = sorted([*zip(table.rows, table.target_ms, table.drafter_ms), *zip(new.rows, new.target_ms, new.drafter_ms)])
     table = CostTable([r for r, _, _ in lines], list(TOKENS), [t for _, t, _ in lines], [d for _, _, d in lines], key)
     log.info(f"[cost] measured R={missing} in {time.perf_counter() - t0:.1f}s: {table.summary()}")
+    _write(path, asdict(table))
+    return table
+
+
+def _cache_file(bundle, cache_dir: str | None, kind: str = "") -> Path:
+    """costs/KEY.json (the table) or costs/KEY.KIND.json under cache_dir, $ARSPEC_CACHE or ~/.cache/arspec."""
+    folder = Path(cache_dir or os.environ.get("ARSPEC_CACHE") or Path.home() / ".cache" / "arspec") / "costs"
+    return folder / f"{cache_key(bundle)}{'.' + kind if kind else ''}.json"
+
+
+def _write(path: Path, data: dict) -> None:
     try:
-        folder.mkdir(parents=True, exist_ok=True)
+        path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(asdict(table)))
+        tmp.write_text(json.dumps(data))
         tmp.replace(path)
     except OSError as e:                                              # a read-only home: keep it in memory
-        log.warning(f"[cost] cannot cache the cost table in {folder}: {e}")
-    return table
+        log.warning(f"[cost] cannot cache {path.name} in {path.parent}: {e}")
+
+
+def learnt(bundle, cache_dir: str | None = None) -> dict | None:
+    """What the last engine on this device and model learnt (Budget.state), or None."""
+    path = _cache_file(bundle, cache_dir, "budget")
+    try:
+        return json.loads(path.read_text()) if path.exists() else None
+    except ValueError:
+        return None                                                   # damaged: learn again
+
+
+def keep_learnt(bundle, state: dict, cache_dir: str | None = None) -> None:
+    _write(_cache_file(bundle, cache_dir, "budget"), state)

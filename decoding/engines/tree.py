@@ -31,13 +31,14 @@ import torch
 
 from decoding.engines.base import CachedModel, EngineConfig, SlotEngine, visible
 from decoding.engines.budget import Budget
-from decoding.engines.cost import cost_table
+from decoding.engines.cost import cost_table, keep_learnt, learnt
 from decoding.engines.log import TokenLog
 from decoding.engines.policy import AdjacencyAdaptive, FixedShape
 from decoding.engines.verify import Lantern, Tree, codebook_neighbours, draws, node_uniforms, verify
 from decoding.sampling import Streams, sample
 
 NEG = float("-inf")
+KEEP_EVERY = 256     # steps between writes of what the budget learnt (cost.keep_learnt)
 
 
 def put_rows(buf: torch.Tensor, idx: torch.Tensor, values: torch.Tensor) -> None:
@@ -51,6 +52,12 @@ def put_rows(buf: torch.Tensor, idx: torch.Tensor, values: torch.Tensor) -> None
 class TreeConfig(EngineConfig):
     # Most nodes a tree may have (one target forward verifies them all); EAGLE-2's reference is 60.
     total_tokens: int = 16
+    # Tokens a row whose image is done waits for the batch's other rows before taking the next prompt
+    # (0: at once). Rows speculate at different speeds and drift apart, and attention reads every row up
+    # to the longest row's position: on a CPU at batch 8 a step at position 272 costs 2x one at 40 (the
+    # shapes model), so a batch out of step pays for it on every later step. Rows that drift further
+    # than this still refill at once (continuous batching).
+    refill_wait: int = 32
     # auto: each step verifies the number of nodes (0 = a plain step) that maximises expected tokens per
     # second for the batch, from the device's measured forward costs (budget.py); fixed: total_tokens.
     budget: str = "auto"
@@ -68,6 +75,8 @@ class TreeConfig(EngineConfig):
             raise ValueError(f"engine.acceptance={self.acceptance!r}: use 'exact' (lossless) or 'lantern' (relaxed)")
         if not 0 <= self.lantern_delta < 1:
             raise ValueError(f"engine.lantern_delta={self.lantern_delta}: must be in [0, 1)")
+        if self.refill_wait < 0:
+            raise ValueError(f"engine.refill_wait={self.refill_wait}: must be >= 0 (0: a free row refills at once)")
         for key in ("total_tokens", "depth", "width", "lantern_k"):
             if getattr(self, key) < 1:
                 raise ValueError(f"engine.{key}={getattr(self, key)}: must be >= 1")
@@ -113,6 +122,16 @@ class TreeEngine(SlotEngine):
                                    .to(self.device), cfg.lantern_delta)
         self.costs = cost_table(bundle, rows=()) if cfg.budget == "auto" else None   # rows: on _start
         self.budget = Budget(self.costs, cfg.total_tokens, self.max_shape()[1])
+        # The budget's step clock. On a CPU, the engine thread's CPU time: the time the step's work took,
+        # without the time the thread waited for a core (other actors, Ray's own processes), which
+        # made steps of either kind look fast or slow at random and let noise turn speculation on
+        # (a job of 2 actors on 2 cores took 5% of its tokens in losing speculative steps). Torch's
+        # worker threads run in step with this one, so it still reads as wall time on an idle machine.
+        # On a GPU, wall time: the step reads results back, so the clock includes the kernels.
+        self.clock = time.thread_time if self.device.type == "cpu" else time.perf_counter
+
+    def refill_wait(self) -> int:
+        return self.cfg.refill_wait
 
     @property
     def acceptance(self) -> str:
@@ -130,6 +149,8 @@ class TreeEngine(SlotEngine):
         R, L, N, dev = (2 * slots if self.sampling.use_cfg else slots), self.L, self.N, self.device
         if self.costs is not None and R not in self.costs.rows:          # this batch's row count: measure it
             self.costs = self.budget.costs = cost_table(self.bundle, rows=(R,))
+        if self.costs is not None and not self.budget.measured:          # start from what the last engine learnt
+            self.budget.restore(learnt(self.bundle))
         d_max, w_max = self.max_shape()
         log = TokenLog(slots, N, self.G, dev)
         log.n[:] = N                                                       # empty slots are finished rows
@@ -173,7 +194,7 @@ class TreeEngine(SlotEngine):
         """One step of every unfinished row, plain or speculative as the budget plans. A plain step reads
         nothing back from the device beyond what vanilla's step does: the catch-up the drafter would need
         (`st.pending`, an upper bound over rows) is kept on the host."""
-        t0 = time.perf_counter()
+        t0 = self.clock()
         plan = min(self.budget.plan(st.R, st.pending), self.N)
         st.step += 1
         active = st.log.n < self.N
@@ -181,9 +202,11 @@ class TreeEngine(SlotEngine):
             self._plain_step(st, active)
             st.pending += 1
             if self.costs is not None:
-                self.budget.observe(st.R, 0, 1000 * (time.perf_counter() - t0), self.costs.target(st.R, 1))
+                self.budget.observe(st.R, 0, 1000 * (self.clock() - t0), self.costs.target(st.R, 1))
         else:
             self._spec_step(st, active, plan, t0)
+        if self.costs is not None and st.step % KEEP_EVERY == 0:
+            keep_learnt(self.bundle, self.budget.state())
 
     def _plain_step(self, st, active):
         """One target forward over the roots; the target draws the next token. The drafter rests: the
@@ -214,7 +237,7 @@ class TreeEngine(SlotEngine):
             asked, w = st.policy.plan(n, log.col("accepted")[:, :N])
             d = torch.where(active, torch.minimum(torch.minimum(asked, N - n - 1), torch.full_like(asked, plan)), 0)
             cand = self._draft(st.draft, st.dfeat, P, d, w, log)
-            drafted_ms = 1000 * (time.perf_counter() - t0)
+            drafted_ms = 1000 * (self.clock() - t0)
             values = torch.where(active[:, None], cand["score"].topk(min(plan, cand["score"].shape[1]), -1).values.exp(), 0.0)
             K = self.budget.choose(st.R, values, plan, drafted_ms)
             tree = self._tree(cand, K, log)
@@ -230,7 +253,7 @@ class TreeEngine(SlotEngine):
         if costs is not None:
             by_rank, predicted = self._by_rank(tree, v, active)
             accepted, rows = float(v.accepted[active].sum()), max(int(active.sum()), 1)
-            self.budget.observe(st.R, plan, 1000 * (time.perf_counter() - t0),
+            self.budget.observe(st.R, plan, 1000 * (self.clock() - t0),
                                 costs.drafter(st.R, max(pending, 1)) + max(int(d.max()) - 1, 0) * costs.drafter(st.R, int(w.max()))
                                 + costs.target(st.R, 1 + K), 1 + accepted / rows, by_rank, predicted, accepted)
 
