@@ -273,6 +273,24 @@ def test_one_noisy_plain_step_does_not_stop_speculation_that_pays():
     assert all(K > 0 for K in run(b, modest, 20))
 
 
+def test_steps_that_slow_down_with_position_do_not_fake_a_win():
+    """Every step, plain or speculative, costs more as the rows' positions grow, and half as much again
+    when the batch restarts (a saw tooth of 256 steps). Speculation loses at every position (HARD): the
+    budget must see that whatever the position, so it speculates no more than in a flat world. Absolute
+    rates kept from early positions fail this (18 speculative steps against 13)."""
+    def saw(b, steps):
+        plans = []
+        for i in range(steps):
+            K = b.plan(2, pending=1)
+            ms, tokens = HARD(K)
+            scale = 1.0 + (i % 256) / 256                     # 1x at a restart, 2x at the end of an image
+            b.observe(2, K, step_ms=ms * scale, forward_ms=ms * scale, tokens_per_row=tokens)
+            plans.append(K)
+        return plans
+    flat = sum(K > 0 for K in run(optimistic(), HARD, 1500))
+    assert sum(K > 0 for K in saw(optimistic(), 1500)) <= flat + 2
+
+
 def test_fixed_budget_ignores_measurements():
     b = Budget(None, max_nodes=6, width=2)
     assert run(b, HARD, 20) == [6] * 20

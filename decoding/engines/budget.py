@@ -36,12 +36,12 @@ finished, so the ratio of the two kinds does not depend on how many rows are bus
 
 A speculative bucket's estimate is a fast EMA (SPEC_EMA) that also ages with steps, not samples
 (untouched for d steps, it keeps weight SPEC_EMA**d against a new measurement), so a probe after a long
-plain stretch speaks for the image as it is now; the plain rate depends on the hardware only and is a
-plain EMA over plain steps. The floor then holds by measurement: speculation runs only where it was
+plain stretch speaks for the image as it is now; the plain rate is the median of the last PLAIN_LAST plain steps. The floor then holds by measurement: speculation runs only where it was
 measured to beat the plain step, up to one probe per `wait` steps. Plain steps teach v_k nothing (they accept no drafts): v_k keeps its last measured value.
 """
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -51,6 +51,9 @@ from decoding.engines.cost import CostTable
 
 EMA = 0.9
 SPEC_EMA = 0.5   # a speculative bucket's rate follows the image: one bad step outweighs half the past
+PLAIN_LAST = 5   # the plain rate is the median of the last plain steps: it follows the rows' positions
+                 # (when a batch restarts, steps halve in cost at once, and a slow EMA of the last image's
+                 # steps made the next probe look like a win) but not one outlier step
 MARGIN = 1.1     # speculation must beat the plain rate by 10% to be taken, or to reset the back-off: one
                  # step's time is noisy, and a false "it pays" costs a run of slower steps
 PROBE_MIN, PROBE_MAX = 4, 1024   # plain steps before speculation is probed again (doubling on each failure)
@@ -65,29 +68,32 @@ def bucket(K: int) -> int:
 @dataclass
 class Goodput:
     """Measured committed tokens per unfinished row per ms, by bucket (0 = plain), for one R."""
-    rate: dict = field(default_factory=dict)     # 0 -> EMA of tokens / row / ms; b > 0 -> EMA of that / plain's
+    rate: dict = field(default_factory=dict)     # 0 -> tokens / row / ms; b > 0 -> that over plain's
     seen: dict = field(default_factory=dict)     # bucket -> step of its last measurement
     plain_n: int = 0                             # plain steps measured
     step: int = 0                                # steps planned
     last_spec: int = 0                           # step of the last speculative step
     wait: int = PROBE_MIN                        # steps between probes
     probing: bool = False                        # this step is a probe
+    recent: deque = field(default_factory=lambda: deque(maxlen=PLAIN_LAST))   # the last plain steps' rates
 
     def update(self, b: int, rate: float) -> None:
-        """rate[0] is the plain step's tokens / row / ms; rate[b > 0] a speculative bucket's rate over the
-        plain rate at the time it was measured. Relative, because steps of both kinds slow down alike as
-        the rows' positions grow (attention reads every row up to the longest, 2x from the start of an
-        image to its end on a CPU): an absolute rate measured early in an image beat a plain rate
-        measured late and turned speculation on for nothing. A speculative bucket's estimate ages with the
-        steps since it was measured (the image changes); the plain step's does not."""
-        if b > 0:
-            if 0 not in self.rate:
-                return
-            rate = rate / self.rate[0]
-        old = 0.0 if b not in self.rate else EMA if b == 0 else SPEC_EMA ** (self.step - self.seen[b])
-        self.rate[b] = old * self.rate[b] + (1 - old) * rate if b in self.rate else rate
+        """rate[0] is the plain step's tokens / row / ms (the median of the last PLAIN_LAST); rate[b > 0] a
+        speculative bucket's rate over the plain rate at the time it was measured. Relative, because
+        steps of both kinds slow down alike as the rows' positions grow (attention reads every row up to
+        the longest, 2x from the start of an image to its end on a CPU): an absolute rate measured early
+        in an image beat a plain rate measured late and turned speculation on for nothing. A speculative
+        bucket's estimate ages with the steps since it was measured (the image changes)."""
+        if b == 0:
+            self.recent.append(rate)
+            self.rate[0], self.seen[0] = float(np.median(self.recent)), self.step
+            self.plain_n += 1
+            return
+        if 0 not in self.rate:
+            return
+        old = SPEC_EMA ** (self.step - self.seen[b]) if b in self.rate else 0.0
+        self.rate[b] = old * self.rate.get(b, 0.0) + (1 - old) * rate / self.rate[0]
         self.seen[b] = self.step
-        self.plain_n += b == 0
 
     def below_plain(self, b: int) -> bool:
         """Measured, and not clearly better than a plain step (by MARGIN)."""
