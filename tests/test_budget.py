@@ -379,11 +379,12 @@ def test_the_auto_budget_mixes_steps_and_commits_vanillas_tokens(name, tmp_path,
     ref = build_engine(bundle, engine_config("vanilla", sampling=SAMPLING)).generate(labels(12), range(12))
     engine = build_engine(bundle, engine_config(name, sampling=SAMPLING, **TREES[name]))
     assert not engine.budget.fixed
-    for _ in range(2):                                          # the second batch starts from what was learnt
+    for i in range(2):                                          # the second batch starts from what was learnt
         out = engine.generate(labels(12), range(12))
         assert [r.tokens.tolist() for r in out] == [r.tokens.tolist() for r in ref]
-    depth = np.stack([r.records["tree_depth"] for r in out])
-    assert (depth == 0).any() and (depth > 0).any()
+        if i == 0:                  # (the second may be all plain: how long the probes wait is measured)
+            depth = np.stack([r.records["tree_depth"] for r in out])
+            assert (depth == 0).any() and (depth > 0).any()
 
 
 def test_the_engine_reports_each_step_to_the_budget_as_planned(tmp_path, monkeypatch):
