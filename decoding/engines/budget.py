@@ -36,8 +36,11 @@ finished, so the ratio of the two kinds does not depend on how many rows are bus
 
 A speculative bucket's estimate is a fast EMA (SPEC_EMA) that also ages with steps, not samples
 (untouched for d steps, it keeps weight SPEC_EMA**d against a new measurement), so a probe after a long
-plain stretch speaks for the image as it is now; the plain rate is the median of the last PLAIN_LAST plain steps. The floor then holds by measurement: speculation runs only where it was
-measured to beat the plain step, up to one probe per `wait` steps. Plain steps teach v_k nothing (they accept no drafts): v_k keeps its last measured value.
+plain stretch speaks for the image as it is now, and it is kept relative to the plain rate when it
+was measured; the plain rate is the median of the last PLAIN_LAST plain steps. The floor then holds
+by measurement: speculation runs only where it was measured to beat the plain step, up to one probe
+per `wait` steps. Plain steps teach v_k nothing (they accept no drafts): v_k keeps its last measured
+value. `state`/`restore` carry what was learnt to the next engine on the device (cost.keep_learnt).
 """
 from __future__ import annotations
 
