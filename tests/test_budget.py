@@ -219,7 +219,7 @@ def test_a_new_engine_starts_from_what_the_last_one_learnt(tmp_path, monkeypatch
     not once per actor: Budget.state goes through the cache (as JSON) and a new engine restores it when
     it starts, then takes no speculative step for the length of the back-off it inherited."""
     import json
-    from decoding.engines.cost import keep_learnt
+    from decoding.engines.cost import cache_key as cost_key, keep_learnt
     first = optimistic()
     assert sum(K > 0 for K in run(first, HARD, 600)) > 5
     second = optimistic()
@@ -231,7 +231,7 @@ def test_a_new_engine_starts_from_what_the_last_one_learnt(tmp_path, monkeypatch
     bundle = tiny_bundle(vocab=8, grid=4, seed=1, std=0.3)
     taught = Budget(table(lambda R, T: 10.0 + 0.01 * T), max_nodes=TREES["eagle2"]["total_tokens"], width=3)
     run(taught, HARD, 300, R=8)
-    keep_learnt(bundle, taught.state())
+    keep_learnt(cost_key(bundle), taught.state())
     engine = build_engine(bundle, engine_config("eagle2", sampling=SAMPLING, **TREES["eagle2"]))
     engine._start(4)                                            # 8 rows with CFG
     got, want = engine.budget.measured[8], taught.measured[8]

@@ -17,13 +17,13 @@ import sys
 import time
 from pathlib import Path
 
-import hydra
-from omegaconf import DictConfig
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")   # before anything can import ray
 
-from decoding import BYTES_VERSION
-from workflows.config import ConfigError, GenerateConfig, cli, one_line_errors, register, to_object
+import hydra  # noqa: E402
+from omegaconf import DictConfig  # noqa: E402
 
-os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+from decoding import BYTES_VERSION  # noqa: E402
+from workflows.config import ConfigError, GenerateConfig, cli, one_line_errors, register, to_object  # noqa: E402
 
 log = logging.getLogger("arspec.job")
 register()

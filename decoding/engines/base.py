@@ -342,8 +342,8 @@ class SlotEngine(Engine):
         wait = self.refill_wait()
         if wait <= 0:
             return False
-        busy = torch.tensor([b for b, o in enumerate(owner) if o is not None], device=self.device)
-        return bool((self.N - state.log.n[busy]).max() <= wait)
+        n = state.log.n.tolist()
+        return max(self.N - n[b] for b, o in enumerate(owner) if o is not None) <= wait
 
     def _admit_all(self, state, new: list) -> dict:
         """Admit [(row, request)] together; if that fails, one by one, so that only the prompts that fail

@@ -1,8 +1,8 @@
 """What a forward costs on this device: the target's and the drafter's milliseconds per forward as a
 function of rows x tokens per row, measured once per (device, model, rows) and cached on disk
 (docs/design.md, "Budgets"). An engine asks for the one row count it runs (2 x slots with CFG) when it
-starts a batch: a fraction of a second, not the whole grid. The tree engines' budget controller reads it to decide how many draft
-tokens a step should verify, if any.
+starts a batch: a fraction of a second, not the whole grid. The tree engines' budget controller reads
+it to decide how many draft tokens a step should verify, if any.
 
 A table, not a formula: on a CPU the cost of T tokens grows with T from the first token (compute
 bound, more so in fp32), on a GPU it is flat until the device fills; either way the measured grid says
@@ -112,7 +112,7 @@ def cost_table(bundle, rows=ROWS, cache_dir: str | None = None) -> CostTable:
     plus the missing rows measured now (a fraction of a second each) and added to the cache. `cache_dir`
     (default $ARSPEC_CACHE or ~/.cache/arspec) holds one JSON file per key. rows=() only reads the cache."""
     key = cache_key(bundle)
-    path = _cache_file(bundle, cache_dir)
+    path = _cache_file(key, cache_dir)
     table = CostTable([], list(TOKENS), [], [], key)
     if path.exists():
         try:
@@ -133,10 +133,10 @@ def cost_table(bundle, rows=ROWS, cache_dir: str | None = None) -> CostTable:
     return table
 
 
-def _cache_file(bundle, cache_dir: str | None, kind: str = "") -> Path:
+def _cache_file(key: str, cache_dir: str | None, kind: str = "") -> Path:
     """costs/KEY.json (the table) or costs/KEY.KIND.json under cache_dir, $ARSPEC_CACHE or ~/.cache/arspec."""
     folder = Path(cache_dir or os.environ.get("ARSPEC_CACHE") or Path.home() / ".cache" / "arspec") / "costs"
-    return folder / f"{cache_key(bundle)}{'.' + kind if kind else ''}.json"
+    return folder / f"{key}{'.' + kind if kind else ''}.json"
 
 
 def _write(path: Path, data: dict) -> None:
@@ -149,14 +149,14 @@ def _write(path: Path, data: dict) -> None:
         log.warning(f"[cost] cannot cache {path.name} in {path.parent}: {e}")
 
 
-def learnt(bundle, cache_dir: str | None = None) -> dict | None:
-    """What the last engine on this device and model learnt (Budget.state), or None."""
-    path = _cache_file(bundle, cache_dir, "budget")
+def learnt(key: str, cache_dir: str | None = None) -> dict | None:
+    """What the last engine on this device and model (CostTable.key) learnt (Budget.state), or None."""
+    path = _cache_file(key, cache_dir, "budget")
     try:
         return json.loads(path.read_text()) if path.exists() else None
     except ValueError:
         return None                                                   # damaged: learn again
 
 
-def keep_learnt(bundle, state: dict, cache_dir: str | None = None) -> None:
-    _write(_cache_file(bundle, cache_dir, "budget"), state)
+def keep_learnt(key: str, state: dict, cache_dir: str | None = None) -> None:
+    _write(_cache_file(key, cache_dir, "budget"), state)

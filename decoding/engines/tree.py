@@ -124,9 +124,8 @@ class TreeEngine(SlotEngine):
         self.budget = Budget(self.costs, cfg.total_tokens, self.max_shape()[1])
         # The budget's step clock. On a CPU, the engine thread's CPU time: the time the step's work took,
         # without the time the thread waited for a core (other actors, Ray's own processes), which
-        # made steps of either kind look fast or slow at random and let noise turn speculation on
-        # (a job of 2 actors on 2 cores took 5% of its tokens in losing speculative steps). Torch's
-        # worker threads run in step with this one, so it still reads as wall time on an idle machine.
+        # made steps of either kind look fast or slow at random. Torch's worker threads run in step
+        # with this one, so it still reads as wall time on an idle machine.
         # On a GPU, wall time: the step reads results back, so the clock includes the kernels.
         self.clock = time.thread_time if self.device.type == "cpu" else time.perf_counter
 
@@ -150,7 +149,7 @@ class TreeEngine(SlotEngine):
         if self.costs is not None and R not in self.costs.rows:          # this batch's row count: measure it
             self.costs = self.budget.costs = cost_table(self.bundle, rows=(R,))
         if self.costs is not None and not self.budget.measured:          # start from what the last engine learnt
-            self.budget.restore(learnt(self.bundle))
+            self.budget.restore(learnt(self.costs.key))
         d_max, w_max = self.max_shape()
         log = TokenLog(slots, N, self.G, dev)
         log.n[:] = N                                                       # empty slots are finished rows
@@ -206,7 +205,7 @@ class TreeEngine(SlotEngine):
         else:
             self._spec_step(st, active, plan, t0)
         if self.costs is not None and st.step % KEEP_EVERY == 0:
-            keep_learnt(self.bundle, self.budget.state())
+            keep_learnt(self.costs.key, self.budget.state())
 
     def _plain_step(self, st, active):
         """One target forward over the roots; the target draws the next token. The drafter rests: the
