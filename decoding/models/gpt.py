@@ -173,11 +173,13 @@ class Attention(nn.Module):
         q = apply_rope(q.view(B, T, self.n_head, self.head_dim), rope)
         k = apply_rope(k.view(B, T, self.n_kv_head, self.head_dim), rope)
         v = v.view(B, T, self.n_kv_head, self.head_dim)
+        q = q.transpose(1, 2)
         if slots is not None:  # cached decoding; training runs without a cache
-            k, v = self.kv_cache.update(slots, k, v, rows)  # -> whole cache [B, S, Hkv, D]
-            k, v = k[:, : mask.shape[-1]], v[:, : mask.shape[-1]]  # the mask may cover only a prefix
+            k, v = self.kv_cache.update(slots, k, v, rows)  # -> whole cache [B, Hkv, S, D]
+            k, v = k[:, :, : mask.shape[-1]], v[:, :, : mask.shape[-1]]  # the mask may cover only a prefix
             q = q.to(k.dtype)  # the cache may be kept in fp32 (see setup_caches)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        else:
+            k, v = k.transpose(1, 2), v.transpose(1, 2)
         if self.n_kv_head != self.n_head:
             k = k.repeat_interleave(self.n_head // self.n_kv_head, dim=1)
             v = v.repeat_interleave(self.n_head // self.n_kv_head, dim=1)
