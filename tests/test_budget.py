@@ -3,6 +3,8 @@ switch between plain and speculative (the drafter then catches up on a backlog),
 batching (a slot takes the next prompt as soon as its image is done) without changing any image."""
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -10,7 +12,7 @@ import torch
 from decoding.bundle import Conditions
 from decoding.engines import build_engine, engine_config
 from decoding.engines.base import Request
-from decoding.engines.budget import FLOOR_EVERY, PROBE_MAX, Budget
+from decoding.engines.budget import FLOOR_EVERY, PROBE_MAX, Budget, bucket
 from decoding.engines.cost import CostTable, measure
 from tests.conftest import labels, tiny_bundle
 
@@ -60,6 +62,7 @@ def test_budget_learns_acceptance_and_overhead():
 def test_cost_table_is_measured_for_the_bundle():
     c = measure(tiny_bundle(vocab=8, grid=4), rows=(2, 4), tokens=(1, 4), reps=1)
     assert np.array(c.target_ms).shape == (2, 2) and min(min(r) for r in c.target_ms) > 0
+    assert len(c.width_ms) == 2 and min(c.width_ms) >= 0 and c.width(64) >= 0     # never a negative cost
 
 
 
@@ -77,6 +80,10 @@ def test_cost_table_measures_only_the_rows_asked_and_caches_them(tmp_path, monke
     assert both.rows == [4, 8] and both.target_ms[0] == one.target_ms[0]
     assert cost.cost_table(b, rows=(4, 8), cache_dir=str(tmp_path)).rows == [4, 8]
     assert asked == [[4], [8]]
+    path = next((tmp_path / "costs").glob("*.json"))              # a table from before width_ms: measured again
+    old = {k: v for k, v in json.loads(path.read_text()).items() if k != "width_ms"}
+    path.write_text(json.dumps(old))
+    assert len(cost.cost_table(b, rows=(4,), cache_dir=str(tmp_path)).width_ms) == 1 and asked[-1] == [4]
 
 SAMPLING = dict(cfg_scale=2.0, temperature=0.8, top_k=5, top_p=0.9)
 TREES = {"eagle2": dict(total_tokens=8, depth=3, width=3),
@@ -289,6 +296,79 @@ def test_steps_that_slow_down_with_position_do_not_fake_a_win():
         return plans
     flat = sum(K > 0 for K in run(optimistic(), HARD, 1500))
     assert sum(K > 0 for K in saw(optimistic(), 1500)) <= flat + 2
+
+
+def test_a_probe_is_judged_by_what_its_drafts_were_worth_not_by_one_draw():
+    """A speculative step that happened to commit 1 token although its drafts were worth 3 more (the
+    drafter's calibrated path probabilities) is a draw, not a measurement of the bucket: the bucket
+    stays above plain. Judged by the tokens it committed, one such step marked it below plain."""
+    b = optimistic()
+    run(b, lambda K: PLAIN, 3)                                   # the plain rate: 0.1 token / ms
+    b.observe(2, 4, step_ms=20.0, forward_ms=20.0, tokens_per_row=1.0, predicted=3.0, accepted=0.0, rows=1)
+    assert not b.goodput(2).below_plain(bucket(4)), b.goodput(2).rate
+    b.observe(2, 16, step_ms=20.0, forward_ms=20.0, tokens_per_row=7.0, predicted=0.2, accepted=6.0, rows=1)
+    assert b.goodput(2).below_plain(bucket(16)), b.goodput(2).rate     # and a lucky draw is no win
+
+
+def test_the_catch_up_after_plain_steps_is_not_charged_to_the_bucket():
+    """After a plain stretch the drafter catches up on the backlog once (switch_ms): that is the price of
+    returning to speculation, paid once, not what each step of the bucket costs."""
+    b = optimistic()
+    run(b, lambda K: PLAIN, 3)
+    b.observe(2, 4, step_ms=40.0, forward_ms=40.0, tokens_per_row=3.0, switch_ms=25.0)
+    assert not b.goodput(2).below_plain(bucket(4)), b.goodput(2).rate
+
+
+def with_width(engine, ms_per_slot: float):
+    """Give an auto-budget tree engine a known cost table: flat forwards, and `ms_per_slot` of attention
+    width per slot (cost.py width_ms)."""
+    engine.costs = engine.budget.costs = table(lambda R, T: 10.0 + 0.01 * T)
+    engine.costs.width_ms = [ms_per_slot] * len(ROWS)
+
+
+@pytest.mark.parametrize("name", list(TREES))
+def test_rows_in_step_stay_in_step_where_running_ahead_costs_the_batch_more(name, tmp_path, monkeypatch):
+    """Where one slot of attention width costs the batch more than a token saves a row (tree.py _room),
+    rows that started together take plain steps, as vanilla's do, whatever the budget plans; where it
+    costs nothing they speculate. Either way the tokens are vanilla's."""
+    monkeypatch.setenv("ARSPEC_CACHE", str(tmp_path))
+    bundle = tiny_bundle(vocab=8, grid=4, seed=1, std=0.3)
+    ref = build_engine(bundle, engine_config("vanilla", sampling=SAMPLING)).generate(labels(8), range(8))
+    depth = {}
+    for width in (10.0, 0.0):
+        engine = build_engine(bundle, engine_config(name, sampling=SAMPLING, **TREES[name]))
+        with_width(engine, width)
+        alternate(engine, [8])
+        out = engine.generate(labels(8), range(8))
+        assert [r.tokens.tolist() for r in out] == [r.tokens.tolist() for r in ref]
+        depth[width] = np.stack([r.records["tree_depth"] for r in out])
+    assert (depth[10.0] == 0).all() and (depth[0.0] > 0).any()
+
+
+def test_rows_behind_catch_up_by_speculation_and_none_passes_the_leader(tmp_path, monkeypatch):
+    """Rows out of step (three free speculative steps move them apart), then a device where width is
+    dear: from then on the longest row moves by at most one token per step, and rows behind it still
+    speculate (by more than one token in a step). Tokens stay vanilla's."""
+    monkeypatch.setenv("ARSPEC_CACHE", str(tmp_path))
+    bundle = tiny_bundle(vocab=8, grid=4, seed=1, std=0.3)
+    ref = build_engine(bundle, engine_config("vanilla", sampling=SAMPLING)).generate(labels(8), range(8))
+    engine = build_engine(bundle, engine_config("eagle2", sampling=SAMPLING, **TREES["eagle2"]))
+    with_width(engine, 0.0)
+    alternate(engine, [8])
+    step, moves = engine._step, []
+
+    def traced(st):
+        if len(moves) == 3:
+            engine.costs.width_ms = [10.0] * len(ROWS)
+        before = st.log.n.clone()
+        step(st)
+        moves.append((int(before.max()), int(st.log.n.max()), int((st.log.n - before).max())))
+    engine._step = traced
+    out = engine.generate(labels(8), range(8))
+    assert [r.tokens.tolist() for r in out] == [r.tokens.tolist() for r in ref]
+    later = [m for m in moves[3:] if m[0] < engine.N]
+    assert moves[2][0] > 3 and all(hi <= lo + 1 for lo, hi, _ in later), moves
+    assert any(most > 1 for _, _, most in later), moves
 
 
 def test_fixed_budget_ignores_measurements():

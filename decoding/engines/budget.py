@@ -158,6 +158,15 @@ class Budget:
         g.probing = K == 0 and g.step - g.last_spec >= g.wait
         return best if g.probing else K                      # 3. probe
 
+    def hold(self, R: int) -> int:
+        """A plain step the engine takes whatever the plan (no row may speculate, tree.py `_room`): it
+        counts as a step, and it is no probe."""
+        if not self.fixed:
+            g = self.goodput(R)
+            g.step += 1
+            g.probing = False
+        return 0
+
     def choose(self, R: int, values: torch.Tensor, plan: int, drafted_ms: float) -> int:
         """K <= plan for the verify forward. values [B, C]: each unfinished row's candidate nodes valued by
         path probability, best first (0 for finished rows and padding); drafted_ms: drafting already spent."""
@@ -172,16 +181,25 @@ class Budget:
         return int(np.argmax(rate))
 
     def observe(self, R: int, planned: int, step_ms: float, forward_ms: float, tokens_per_row: float = 1.0,
-                accepted_by_rank: np.ndarray | None = None, predicted: float = 0.0, accepted: float = 0.0) -> None:
+                accepted_by_rank: np.ndarray | None = None, predicted: float = 0.0, accepted: float = 0.0,
+                rows: int = 0, switch_ms: float = 0.0) -> None:
         """A step planned with K = `planned` (0: plain) over R rows took step_ms, of which the model says
         forward_ms were forwards, and committed tokens_per_row per unfinished row. accepted_by_rank [K]:
         the mean acceptance of each rank's node over the rows; predicted / accepted: Σ of the verified
-        nodes' path probabilities and the drafts accepted (the calibration)."""
+        nodes' path probabilities and the drafts accepted (the calibration), over `rows` unfinished rows.
+
+        The step's goodput counts, with `rows`, the tokens the drafts were worth (1 + calibration x
+        predicted / rows) rather than the tokens this one step happened to commit: an accepted length
+        ranges over 1..depth + 1 from one step to the next, and one unlucky probe used to mark a bucket
+        below plain for hundreds of steps. The drafter's path probabilities, calibrated on every step,
+        still follow the image (they are low where it is hard). `switch_ms`, the catch-up on what plain
+        steps committed beyond one pair, is paid once per return to speculation: not the bucket's rate."""
         if self.fixed:
             return
         kind = "spec" if planned > 0 else "plain"
         self.overhead[kind] = EMA * self.overhead[kind] + (1 - EMA) * max(step_ms - forward_ms, 0.0)
-        g, b, rate = self.goodput(R), bucket(planned), tokens_per_row / max(step_ms, 1e-6)
+        worth = 1 + self.calibration * predicted / rows if rows > 0 and predicted > 0 else tokens_per_row
+        g, b, rate = self.goodput(R), bucket(planned), worth / max(step_ms - switch_ms, 1e-6)
         if b > 0 and 0 in g.rate:                            # a probe that lost: wait twice as long next time
             if rate >= MARGIN * g.rate[0]:
                 g.wait = PROBE_MIN

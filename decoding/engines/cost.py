@@ -7,6 +7,11 @@ it to decide how many draft tokens a step should verify, if any.
 A table, not a formula: on a CPU the cost of T tokens grows with T from the first token (compute
 bound, more so in fp32), on a GPU it is flat until the device fills; either way the measured grid says
 so, and a cost between grid points is interpolated linearly (extrapolated at the edges).
+
+The grid is measured after a committed prefix of half an image. How the cost grows with that prefix is
+measured too (`width_ms`: ms per slot of attention width, one token per row): attention reads every row
+up to the longest row's position, so a row that speculation moves ahead of its batch-mates makes every
+later step of the batch dearer, and the tree engines weigh that (tree.py, `_room`).
 """
 from __future__ import annotations
 
@@ -15,7 +20,7 @@ import json
 import logging
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -23,6 +28,7 @@ import torch
 
 log = logging.getLogger("arspec.cost")
 
+VERSION = 2     # of what a table holds and of the code it measures: a new version measures again
 ROWS = (2, 4, 8, 16, 32)
 TOKENS = (1, 2, 4, 8, 16, 32)
 
@@ -34,6 +40,7 @@ class CostTable:
     target_ms: list             # [len(rows)][len(tokens)]
     drafter_ms: list
     key: str = ""
+    width_ms: list = field(default_factory=list)   # [len(rows)]: target ms per slot of attention width
 
     def _at(self, table, R: float, T: float) -> float:
         rows, tokens, t = np.array(self.rows, float), np.array(self.tokens, float), np.array(table, float)
@@ -52,16 +59,21 @@ class CostTable:
     def drafter(self, R: float, T: float) -> float:
         return self._at(self.drafter_ms, R, T)
 
+    def width(self, R: float) -> float:
+        """ms one more slot of attention width adds to a target forward over R rows (one token each)."""
+        return max(self._at([[w] * len(self.tokens) for w in self.width_ms], R, 1), 0.0)
+
     def summary(self) -> str:
         line = lambda name, t: f"{name} ms " + "; ".join(  # noqa: E731
             f"R={r}: " + " ".join(f"{v:.2f}" for v in row) for r, row in zip(self.rows, t))
-        return f"T={self.tokens} | " + line("target", self.target_ms) + " | " + line("drafter", self.drafter_ms)
+        return (f"T={self.tokens} | " + line("target", self.target_ms) + " | " + line("drafter", self.drafter_ms)
+                + " | target ms per width slot " + " ".join(f"R={r}: {w:.4f}" for r, w in zip(self.rows, self.width_ms)))
 
 
 def cache_key(bundle) -> str:
     dev = bundle.device
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"cpu{os.cpu_count()}-t{torch.get_num_threads()}"
-    spec = json.dumps([name, torch.__version__, str(bundle.dtype), bundle.gpt.args.to_dict(),
+    spec = json.dumps([VERSION, name, torch.__version__, str(bundle.dtype), bundle.gpt.args.to_dict(),
                        bundle.drafter.args.to_dict() if bundle.drafter is not None else None], sort_keys=True)
     return hashlib.blake2b(spec.encode(), digest_size=8).hexdigest()
 
@@ -104,7 +116,35 @@ def measure(bundle, rows=ROWS, tokens=TOKENS, reps: int = 3) -> CostTable:
                 line.append(round(1000 * float(np.median(times[1:])), 4))
             grid.append(line)
         out[name] = grid
-    return CostTable(list(rows), list(tokens), out["target"], out["drafter"])
+    return CostTable(list(rows), list(tokens), out["target"], out["drafter"],
+                     width_ms=[_width_ms(bundle, R, reps) for R in rows])
+
+
+def _width_ms(bundle, R: int, reps: int) -> float:
+    """Target ms per slot of committed prefix, one token per row: the slope between a prefix of the
+    condition alone and one of the condition and a whole image (attention grows with it, the rest not)."""
+    from decoding.engines.base import CachedModel, visible
+    m, dev = bundle.gpt, bundle.device
+    a = m.args
+    lo, hi = a.cls_token_num, a.cls_token_num + a.block_size - 1
+    cache = CachedModel(m, R, hi + 1, bundle.dtype)
+    cache.valid[:] = True
+    h = torch.randn(R, 1, a.dim, device=dev).to(bundle.dtype)
+    ms = []
+    for prefix in (lo, hi):
+        slots = torch.full((R, 1), prefix, device=dev)
+        mask = visible(cache.valid, slots[..., None])
+        times = []
+        for _ in range(reps + 1):
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            m.logits(m.forward_embeds(h, slots, mask, slots))
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+        ms.append(1000 * float(np.median(times[1:])))
+    return round(max(ms[1] - ms[0], 0.0) / (hi - lo), 6)
 
 
 def cost_table(bundle, rows=ROWS, cache_dir: str | None = None) -> CostTable:
@@ -117,7 +157,7 @@ def cost_table(bundle, rows=ROWS, cache_dir: str | None = None) -> CostTable:
     if path.exists():
         try:
             cached = CostTable(**json.loads(path.read_text()))
-            if cached.tokens == table.tokens:
+            if cached.tokens == table.tokens and len(cached.width_ms) == len(cached.rows):
                 table = cached
         except (ValueError, TypeError):
             pass                                                      # a damaged cache file: measure again
@@ -126,8 +166,10 @@ def cost_table(bundle, rows=ROWS, cache_dir: str | None = None) -> CostTable:
         return table
     t0 = time.perf_counter()
     new = measure(bundle, rows=missing)
-    lines = sorted([*zip(table.rows, table.target_ms, table.drafter_ms), *zip(new.rows, new.target_ms, new.drafter_ms)])
-    table = CostTable([r for r, _, _ in lines], list(TOKENS), [t for _, t, _ in lines], [d for _, _, d in lines], key)
+    lines = sorted([*zip(table.rows, table.target_ms, table.drafter_ms, table.width_ms),
+                    *zip(new.rows, new.target_ms, new.drafter_ms, new.width_ms)])
+    table = CostTable([x[0] for x in lines], list(TOKENS), [x[1] for x in lines], [x[2] for x in lines], key,
+                      [x[3] for x in lines])
     log.info(f"[cost] measured R={missing} in {time.perf_counter() - t0:.1f}s: {table.summary()}")
     _write(path, asdict(table))
     return table

@@ -194,18 +194,43 @@ class TreeEngine(SlotEngine):
         nothing back from the device beyond what vanilla's step does: the catch-up the drafter would need
         (`st.pending`, an upper bound over rows) is kept on the host."""
         t0 = self.clock()
-        plan = min(self.budget.plan(st.R, st.pending), self.N)
-        st.step += 1
         active = st.log.n < self.N
+        room = self._room(st, active)
+        may = room is None or bool((room > 0).any())
+        plan = min(self.budget.plan(st.R, st.pending), self.N) if may else self.budget.hold(st.R)
+        st.step += 1
         if plan == 0:
             self._plain_step(st, active)
             st.pending += 1
             if self.costs is not None:
                 self.budget.observe(st.R, 0, 1000 * (self.clock() - t0), self.costs.target(st.R, 1))
         else:
-            self._spec_step(st, active, plan, t0)
+            self._spec_step(st, active, plan, t0, room)
         if self.costs is not None and st.step % KEEP_EVERY == 0:
             keep_learnt(self.costs.key, self.budget.state())
+
+    def _room(self, st, active) -> torch.Tensor | None:
+        """Per row, the most draft tokens it may verify this step [slots], or None (no limit).
+
+        Attention reads every row up to the longest row's position, so a row that runs ahead of the batch
+        makes every later step dearer for all the others, until it finishes (cost.py, `width_ms`). One
+        slot past the batch's longest row costs width(R) x (R - own rows) / R ms in each of the N - n_max
+        steps left to it; one more committed token saves the row a plain step's share, target(R, 1) / B.
+        Where the first is larger, rows are held to the slots behind the longest row (a plain step moves
+        that one forward by one): rows behind it catch up by speculation, and rows in step take plain
+        steps, as vanilla's do. A finished or empty row already keeps the width at its end: no limit."""
+        c = self.costs
+        if c is None or not c.width_ms:
+            return None
+        R, per = st.R, (2 if self.sampling.use_cfg else 1)
+        slot = c.width(R) * (R - per) / R
+        if slot * self.N <= c.target(R, 1) / st.slots:                # no position makes a difference
+            return None
+        n = st.log.n
+        n_max, busy = int(n.max()), int(active.sum())
+        if slot * (self.N - n_max) <= c.target(R, 1) / max(busy, 1):
+            return None
+        return torch.where(active, n_max - n, 0)
 
     def _plain_step(self, st, active):
         """One target forward over the roots; the target draws the next token. The drafter rests: the
@@ -227,7 +252,7 @@ class TreeEngine(SlotEngine):
             log.commit(count, token_id=x, p_target=probs.gather(1, x[:, None])[:, 0], step=st.step, accept_len=1)
             log.target_forwards += count
 
-    def _spec_step(self, st, active, plan, t0):
+    def _spec_step(self, st, active, plan, t0, room=None):
         log, N, costs = st.log, self.N, self.costs
         n = log.n.clone()
         P = self.L + n - 1
@@ -235,6 +260,8 @@ class TreeEngine(SlotEngine):
             pending = self._catch_up(st, active)
             asked, w = st.policy.plan(n, log.col("accepted")[:, :N])
             d = torch.where(active, torch.minimum(torch.minimum(asked, N - n - 1), torch.full_like(asked, plan)), 0)
+            if room is not None:
+                d = torch.minimum(d, room)
             cand = self._draft(st.draft, st.dfeat, P, d, w, log)
             drafted_ms = 1000 * (self.clock() - t0)
             values = torch.where(active[:, None], cand["score"].topk(min(plan, cand["score"].shape[1]), -1).values.exp(), 0.0)
@@ -252,9 +279,11 @@ class TreeEngine(SlotEngine):
         if costs is not None:
             by_rank, predicted = self._by_rank(tree, v, active)
             accepted, rows = float(v.accepted[active].sum()), max(int(active.sum()), 1)
+            catch_up = costs.drafter(st.R, max(pending, 1))
             self.budget.observe(st.R, plan, 1000 * (self.clock() - t0),
-                                costs.drafter(st.R, max(pending, 1)) + max(int(d.max()) - 1, 0) * costs.drafter(st.R, int(w.max()))
-                                + costs.target(st.R, 1 + K), 1 + accepted / rows, by_rank, predicted, accepted)
+                                catch_up + max(int(d.max()) - 1, 0) * costs.drafter(st.R, int(w.max()))
+                                + costs.target(st.R, 1 + K), 1 + accepted / rows, by_rank, predicted, accepted,
+                                rows=rows, switch_ms=catch_up - costs.drafter(st.R, 1))
 
     # -- drafting ---------------------------------------------------------------------------------------
     def draft_probs(self, features):
