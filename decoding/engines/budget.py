@@ -182,7 +182,7 @@ class Budget:
 
     def observe(self, R: int, planned: int, step_ms: float, forward_ms: float, tokens_per_row: float = 1.0,
                 accepted_by_rank: np.ndarray | None = None, predicted: float = 0.0, accepted: float = 0.0,
-                rows: int = 0, switch_ms: float = 0.0) -> None:
+                rows: int = 0) -> None:
         """A step planned with K = `planned` (0: plain) over R rows took step_ms, of which the model says
         forward_ms were forwards, and committed tokens_per_row per unfinished row. accepted_by_rank [K]:
         the mean acceptance of each rank's node over the rows; predicted / accepted: Σ of the verified
@@ -192,14 +192,13 @@ class Budget:
         predicted / rows) rather than the tokens this one step happened to commit: an accepted length
         ranges over 1..depth + 1 from one step to the next, and one unlucky probe used to mark a bucket
         below plain for hundreds of steps. The drafter's path probabilities, calibrated on every step,
-        still follow the image (they are low where it is hard). `switch_ms`, the catch-up on what plain
-        steps committed beyond one pair, is paid once per return to speculation: not the bucket's rate."""
+        still follow the image (they are low where it is hard)."""
         if self.fixed:
             return
         kind = "spec" if planned > 0 else "plain"
         self.overhead[kind] = EMA * self.overhead[kind] + (1 - EMA) * max(step_ms - forward_ms, 0.0)
         worth = 1 + self.calibration * predicted / rows if rows > 0 and predicted > 0 else tokens_per_row
-        g, b, rate = self.goodput(R), bucket(planned), worth / max(step_ms - switch_ms, 1e-6)
+        g, b, rate = self.goodput(R), bucket(planned), worth / max(step_ms, 1e-6)
         if b > 0 and 0 in g.rate:                            # a probe that lost: wait twice as long next time
             if rate >= MARGIN * g.rate[0]:
                 g.wait = PROBE_MIN
