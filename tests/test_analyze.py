@@ -344,3 +344,24 @@ def test_cli_refuses_a_missing_folder_in_one_line(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [f"error: run_dirs: {tmp_path / 'nope'} is not a folder; give run "
                                                 f"folders (out_dir of a generate job) or a folder of them"]
+
+
+def test_bench_scores_attributes_and_their_paired_difference_from_the_baseline():
+    """The bench's finer adherence: the share of a caption's attributes drawn right, and the engine's
+    paired difference from the baseline on the same prompts (mean ± 1.96 standard errors)."""
+    from workflows.bench import summarize
+
+    def row(hits, split="flat"):
+        s = dict(zip(("shape", "colour", "size", "position"), map(float, hits)))
+        return {"split": split, "tau": 1.0, "steps": 1.0, "budget": 0.0, "plain": 1.0, "drafted": 0, "accepted": 0,
+                "fallbacks": 0, "target_forwards": 4, "draft_forwards": 0, "wall_s": 1.0, "phase_s": {"forward": 1.0},
+                "adherence": {**s, "all": float(all(hits))}, "batch": 0}
+    base = [row([1, 1, 1, 1]), row([1, 0, 0, 0]), row([1, 1, 0, 0])]
+    eng = [row([1, 1, 1, 0]), row([1, 0, 0, 0]), row([0, 0, 0, 0])]
+    r = summarize({"base": base, "eng": eng}, {}, baseline="base")["all"]
+    assert r["base"]["attributes"] == pytest.approx(0.583, abs=1e-3) and r["base"]["attributes_vs_baseline"] == [0, 0]
+    diffs = np.array([-0.25, 0.0, -0.5])
+    assert r["eng"]["attributes"] == pytest.approx(1 / 3, abs=1e-3)
+    assert r["eng"]["attributes_vs_baseline"] == pytest.approx(
+        [diffs.mean(), 1.96 * diffs.std(ddof=1) / np.sqrt(3)], abs=1e-3)
+    assert r["eng"]["adherence"] == 0.0 and r["base"]["adherence"] == pytest.approx(1 / 3, abs=1e-3)

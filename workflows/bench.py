@@ -198,6 +198,8 @@ def summarize(rows: dict, wall: dict, baseline: str) -> dict:
             compression = np.mean([b["target_forwards"] for b in base]) / np.mean([r["target_forwards"] for r in rs])
             speedup = float(np.sum([b["wall_s"] for b in base]) / np.sum([r["wall_s"] for r in rs]))
             adh = mean_adherence([r["adherence"] for r in rs])
+            paired = [(attributes_right(r["adherence"]), attributes_right(b["adherence"])) for r, b in zip(rs, base)]
+            diffs = [a - b for a, b in paired if a is not None and b is not None]
             steps = sum(r["target_forwards"] for r in rs)
             phases = {k: round(1000 * sum(r["phase_s"].get(k, 0.0) for r in rs) / steps, 2)
                       for k in rs[0]["phase_s"]}
@@ -221,23 +223,41 @@ def summarize(rows: dict, wall: dict, baseline: str) -> dict:
                 "draft_accept_rate": (round(sum(r["accepted"] for r in rs) / sum(r["drafted"] for r in rs), 4)
                                       if sum(r["drafted"] for r in rs) else None),
                 "fallbacks": sum(r["fallbacks"] for r in rs),
-                "adherence": adh and adh["all"], "adherence_by_attribute": adh}
+                "adherence": adh and adh["all"], "adherence_by_attribute": adh,
+                # the share of a caption's attributes drawn right (a finer scale than `all`), and its
+                # paired difference from the baseline on the same prompts and seeds, ± 1.96 standard errors
+                "attributes": round(float(np.mean([a for a, _ in paired if a is not None])), 3) if diffs else None,
+                "attributes_vs_baseline": ([round(float(np.mean(diffs)), 3),
+                                            round(float(1.96 * np.std(diffs, ddof=1) / np.sqrt(len(diffs))), 3)]
+                                           if len(diffs) > 1 else None)}
     return out
+
+
+def attributes_right(score: dict | None) -> float | None:
+    """The share of a caption's attributes the scorer found right (its `all` is 1 only when every one is)."""
+    return None if score is None else float(np.mean([v for k, v in score.items() if k != "all"]))
 
 
 def table(results: dict) -> str:
     lines = []
     for split, engines in results.items():
         lines += [f"\n{split}", "| engine | τ | step compression | speedup (total) | speedup median [p10, p90] | "
-                  "efficiency | s/image | ms/step (phases) | draft accept | adherence |",
+                  "efficiency | s/image | ms/step (phases) | draft accept | adherence: all / attributes (Δ vs baseline) |",
                   "|---|---|---|---|---|---|---|---|---|---|"]
         for n, r in engines.items():
             phases = " ".join(f"{k} {v}" for k, v in r["phase_ms_per_step"].items())
             lines.append(f"| {n} | {r['tau']} | {r['step_compression']} | {r['speedup']} | {r['speedup_median']} "
                          f"{r['speedup_p10_p90']} | {r['efficiency']} | {r['s_per_image']} | {r['ms_per_step']} "
                          f"({phases}) | {r['draft_accept_rate'] if r['draft_accept_rate'] is not None else '-'} | "
-                         f"{r['adherence']} |")
+                         f"{adherence_cell(r)} |")
     return "\n".join(lines)
+
+
+def adherence_cell(r: dict) -> str:
+    if r.get("attributes") is None:
+        return f"{r['adherence']}"
+    d = r["attributes_vs_baseline"]
+    return f"{r['adherence']} / {r['attributes']}" + (f" ({d[0]:+.3f} ± {d[1]:.3f})" if d else "")
 
 
 def plot(results: dict, path: Path) -> None:
