@@ -193,7 +193,9 @@ class TreeEngine(SlotEngine):
     def _step(self, st):
         """One step of every unfinished row, plain or speculative as the budget plans. A plain step reads
         nothing back from the device beyond what vanilla's step does: the catch-up the drafter would need
-        (`st.pending`, an upper bound over rows) is kept on the host."""
+        (`st.pending`, an upper bound over rows) is kept on the host. The one exception is `_room` on a
+        device where attention width costs more than a token saves (a CPU at batch 8 and up): it reads
+        the longest row and the busy count, two scalars."""
         t0 = self.clock()
         active = st.log.n < self.N
         room = self._room(st, active)
