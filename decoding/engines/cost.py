@@ -104,16 +104,7 @@ def measure(bundle, rows=ROWS, tokens=TOKENS, reps: int = 3) -> CostTable:
                 pos = slots.clamp(max=last)
                 call = (lambda: m.logits(m.forward_embeds(h, pos, mask, slots))) if name == "target" else \
                     (lambda: bundle.gpt.logits(m(h, h, pos, mask, slots)))
-                times = []
-                for _ in range(reps + 1):
-                    if dev.type == "cuda":
-                        torch.cuda.synchronize()
-                    t0 = time.perf_counter()
-                    call()
-                    if dev.type == "cuda":
-                        torch.cuda.synchronize()
-                    times.append(time.perf_counter() - t0)
-                line.append(round(1000 * float(np.median(times[1:])), 4))
+                line.append(round(_median_ms(call, dev, reps), 4))
             grid.append(line)
         out[name] = grid
     return CostTable(list(rows), list(tokens), out["target"], out["drafter"],
@@ -134,17 +125,22 @@ def _width_ms(bundle, R: int, reps: int) -> float:
     for prefix in (lo, hi):
         slots = torch.full((R, 1), prefix, device=dev)
         mask = visible(cache.valid, slots[..., None])
-        times = []
-        for _ in range(reps + 1):
-            if dev.type == "cuda":
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            m.logits(m.forward_embeds(h, slots, mask, slots))
-            if dev.type == "cuda":
-                torch.cuda.synchronize()
-            times.append(time.perf_counter() - t0)
-        ms.append(1000 * float(np.median(times[1:])))
+        ms.append(_median_ms(lambda: m.logits(m.forward_embeds(h, slots, mask, slots)), dev, reps))
     return round(max(ms[1] - ms[0], 0.0) / (hi - lo), 6)
+
+
+def _median_ms(call, dev: torch.device, reps: int) -> float:
+    """Median ms of `reps` calls after one warm-up (synchronised on a GPU)."""
+    times = []
+    for _ in range(reps + 1):
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        call()
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return 1000 * float(np.median(times[1:]))
 
 
 def cost_table(bundle, rows=ROWS, cache_dir: str | None = None) -> CostTable:
