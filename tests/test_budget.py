@@ -159,6 +159,13 @@ def test_a_failing_prompt_does_not_stop_the_stream():
     assert all(outs[k].result is not None for k in (0, 2, 3))
 
 
+def drafts_accepted_per_step(out) -> float:
+    """Drafts accepted per speculative step over a batch's results (each step's tokens share one step)."""
+    rec = {k: np.concatenate([r.records[k] for r in out]) for k in ("budget", "accepted", "accept_len")}
+    spec = rec["budget"] > 0
+    return float(rec["accepted"][spec].sum() / (1.0 / rec["accept_len"][spec]).sum())
+
+
 def test_drafts_after_plain_steps_are_as_good_as_after_speculative_ones():
     """The catch-up must give the drafter exactly the features it missed: with the shipped model's
     trained drafter, speculative steps that follow two plain steps accept as many drafts per step as
@@ -173,10 +180,7 @@ def test_drafts_after_plain_steps_are_as_good_as_after_speculative_ones():
         engine = build_engine(bundle, engine_config("eagle2", budget="fixed", total_tokens=12, depth=4, width=3))
         alternate(engine, pattern)
         out = engine.generate(bundle.conditions(prompts), [11, 12, 13, 14])
-        rec = {k: np.concatenate([r.records[k] for r in out]) for k in ("budget", "accepted", "accept_len")}
-        spec = rec["budget"] > 0
-        steps = (1.0 / rec["accept_len"][spec]).sum()             # each step's tokens share one step
-        per_step[tuple(pattern)] = rec["accepted"][spec].sum() / steps
+        per_step[tuple(pattern)] = drafts_accepted_per_step(out)
     assert per_step[(12,)] > 1.5                                   # the trained drafter is right often
     assert per_step[(0, 0, 12)] > 0.9 * per_step[(12,)], per_step
 
@@ -201,9 +205,7 @@ def test_after_a_long_plain_stretch_the_drafter_catches_up_on_the_recent_pairs_o
         out = engine.generate(cond, [11, 12, 13, 14])
         assert [r.tokens.tolist() for r in out] == [r.tokens.tolist() for r in ref]
         assert max(widths) <= max(CATCH_UP_MAX, engine.L), sorted(widths)[-5:]
-        rec = {k: np.concatenate([r.records[k] for r in out]) for k in ("budget", "accepted", "accept_len")}
-        spec = rec["budget"] > 0
-        per_step[len(pattern)] = rec["accepted"][spec].sum() / (1.0 / rec["accept_len"][spec]).sum()
+        per_step[len(pattern)] = drafts_accepted_per_step(out)
     assert per_step[64] > 0.8 * per_step[3] and per_step[64] > 1.0, per_step
 
 
