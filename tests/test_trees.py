@@ -236,3 +236,32 @@ def test_tree_selection_keeps_ancestors_and_budget(tiny):
     assert t["depth"].tolist() == [[1, 1, 2, 2, 2]]
     assert t["score"][0].tolist() == pytest.approx([-0.1, -1.0, -0.3, -1.2, -1.5])
     assert t["parent"].tolist() == [[0, 0, 1, 2, 2]]  # block indices: 0 = root, j+1 = node j
+
+
+def test_drafting_stops_where_no_deeper_node_could_enter_the_tree(monkeypatch):
+    """ADT-Tree asks for up to d_max levels; a level is not drafted once no row's frontier scores above
+    its K-th best candidate. The K nodes chosen must be exactly those a full-depth draft gives, step by
+    step, with fewer levels drafted (shipped model, fp32), and the tokens vanilla's."""
+    from decoding.engines.tree import TreeEngine
+    from decoding.registry import load_bundle
+    from decoding.shapes.family import ShapesConfig
+    from decoding.shapes.world import builtin_prompts
+    bundle = load_bundle(ShapesConfig(device="cpu", dtype="float32"))
+    cond = bundle.conditions([p["prompt"] for p in builtin_prompts(2, seed=5)])
+    ref = build_engine(bundle, engine_config("vanilla")).generate(cond, [3, 4])
+    engine = build_engine(bundle, engine_config("adt_tree", budget="fixed"))
+    draft, levels = TreeEngine._draft, {"full": 0, "kept": 0}
+
+    def both(self, dr, dfeat, P, d, w, log, keep=None):
+        full = draft(self, dr, dfeat, P, d, w, log)                  # every level asked for, first
+        kept = draft(self, dr, dfeat, P, d, w, log, keep=keep)       # then as the engine drafts
+        pick = [self._select(c["tok"], c["par"], c["depth"], c["score"], c["q"], keep) for c in (full, kept)]
+        for key in ("tok", "parent", "depth"):
+            assert torch.equal(pick[0][key], pick[1][key]), key
+        levels["full"] += int(full["levels"].sum())
+        levels["kept"] += int(kept["levels"].sum())
+        return kept
+    monkeypatch.setattr(TreeEngine, "_draft", both)
+    out = engine.generate(cond, [3, 4])
+    assert [r.tokens.tolist() for r in out] == [r.tokens.tolist() for r in ref]
+    assert levels["kept"] < 0.8 * levels["full"], levels

@@ -63,6 +63,12 @@ PROBE_MIN, PROBE_MAX = 4, 1024   # plain steps before speculation is probed agai
 FLOOR_SAMPLES, FLOOR_EVERY = 2, 32  # plain steps measured first, and then at least one per FLOOR_EVERY steps
 
 
+def _median(xs) -> float:
+    """Median of a few floats; numpy's costs 0.1 ms, 1-2% of a plain step at batch 8 on a CPU."""
+    s = sorted(xs)
+    return float(s[len(s) // 2] if len(s) % 2 else (s[len(s) // 2 - 1] + s[len(s) // 2]) / 2)
+
+
 def bucket(K: int) -> int:
     """0 for a plain step; 1, 2, 3, 4, ... for K = 1, 2, 3-4, 5-8, ..."""
     return 0 if K <= 0 else int(K - 1).bit_length() + 1
@@ -89,7 +95,7 @@ class Goodput:
         bucket's estimate ages with the steps since it was measured (the image changes)."""
         if b == 0:
             self.recent.append(rate)
-            self.rate[0], self.seen[0] = float(np.median(self.recent)), self.step
+            self.rate[0], self.seen[0] = _median(self.recent), self.step
             self.plain_n += 1
             return
         if 0 not in self.rate:

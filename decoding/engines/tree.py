@@ -265,7 +265,8 @@ class TreeEngine(SlotEngine):
             d = torch.where(active, torch.minimum(torch.minimum(asked, N - n - 1), torch.full_like(asked, plan)), 0)
             if room is not None:
                 d = torch.minimum(d, room)
-            cand = self._draft(st.draft, st.dfeat, P, d, w, log)
+            cand = self._draft(st.draft, st.dfeat, P, d, w, log, keep=plan)
+            d = cand["levels"]
             drafted_ms = 1000 * (self.clock() - t0)
             values = torch.where(active[:, None], cand["score"].topk(min(plan, cand["score"].shape[1]), -1).values.exp(), 0.0)
             K = self.budget.choose(st.R, values, plan, drafted_ms)
@@ -325,9 +326,14 @@ class TreeEngine(SlotEngine):
         log.draft_forwards += (todo > 0).long()
         return C
 
-    def _draft(self, draft, dfeat, P, d, w, log) -> dict:
+    def _draft(self, draft, dfeat, P, d, w, log, keep: int | None = None) -> dict:
         """Every row's candidate nodes: tok, par (candidate index of the parent, -1 = root), depth, score
-        (cumulative draft log-prob, -inf = none), q, each [B, C]."""
+        (cumulative draft log-prob, -inf = none), q, each [B, C]; and `levels`, the levels drafted.
+
+        `keep`: only each row's `keep` best candidates will be used (the budget's plan). A level stops
+        the drafting once no row's frontier scores above its keep-th best candidate: a node's score is
+        its parent's plus a log-probability, so nothing deeper could enter the selection. The tree is
+        the same; the levels it would not change are not drafted (ADT-Tree asks for up to d_max)."""
         B, dev = len(P), P.device
         q = self.draft_probs(dfeat[:, None])[:, 0]                      # [B, V]
         d_max, w_max = int(d.max()), min(max(int(w.max()), 1), q.shape[-1])  # no wider than the vocabulary
@@ -357,6 +363,9 @@ class TreeEngine(SlotEngine):
             qs.append(cq.flatten(1))
             fs, fi = cs.flatten(1).topk(w_max, -1)
             front_score = fs.masked_fill(lanes >= w[:, None], NEG)
+            if keep is not None and k < d_max and self._settled(torch.cat(scores, 1), front_score, d, k, keep):
+                d = d.clamp(max=k)
+                break
             front = offset + fi
             par_lane = self.rows(fi // w_max)
             front_feat = out.gather(1, par_lane[..., None].expand(-1, -1, out.shape[-1]))
@@ -364,7 +373,16 @@ class TreeEngine(SlotEngine):
             offset += w_max * w_max
         log.draft_forwards += (d - 1).clamp(min=0)                       # levels 2..d (inactive rows: d = 0)
         return {"tok": torch.cat(toks, 1), "par": torch.cat(pars, 1), "depth": torch.cat(depths, 1),
-                "score": torch.cat(scores, 1), "q": torch.cat(qs, 1)}
+                "score": torch.cat(scores, 1), "q": torch.cat(qs, 1), "levels": d}
+
+    @staticmethod
+    def _settled(scores, front_score, d, k: int, keep: int) -> bool:
+        """After level k: True when every row either drafts no deeper (d <= k) or has `keep` candidates
+        scoring at least its best frontier node (a deeper node that ties loses: `_select`)."""
+        if scores.shape[1] < keep:                                       # fewer candidates than it keeps
+            return bool((d <= k).all())
+        kth = scores.topk(keep, -1).values[:, -1]
+        return bool(((d <= k) | (front_score.amax(-1) <= kth)).all())
 
     def _tree(self, cand: dict, K: int, log) -> Tree:
         """The K best candidates of each row as a Tree rooted at its last committed token."""
@@ -380,12 +398,14 @@ class TreeEngine(SlotEngine):
 
     @staticmethod
     def _select(tok, par, depth, score, q, budget):
-        """Top-`budget` candidates by score (ties: shallower first), ordered by (depth, -score). Returns
-        [B, budget] tensors; parent is a block index (0 = root, j + 1 = node j), -1 for padding."""
+        """Top-`budget` candidates by score, ordered by (depth, -score). Ties go to the earlier candidate
+        (a stable sort; levels are appended in order, so the shallower), which makes the choice the same
+        however many levels were drafted (`_draft`'s stop). Returns [B, budget] tensors; parent is a
+        block index (0 = root, j + 1 = node j), -1 for padding."""
         B, C = tok.shape
         budget = min(budget, C)
-        key = torch.where(torch.isinf(score), torch.full_like(score, -1e9), score) - depth * 1e-7
-        sel = key.topk(budget, -1).indices
+        key = torch.where(torch.isinf(score), torch.full_like(score, -1e9), score)
+        sel = key.sort(dim=-1, descending=True, stable=True).indices[:, :budget]
         sd, ss = depth.gather(1, sel), score.gather(1, sel)
         valid = ~torch.isinf(ss)
         order = torch.where(valid, sd * 1e4 - ss.clamp(min=-1e3), torch.full_like(ss, 1e9)).argsort(-1)
