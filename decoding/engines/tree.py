@@ -260,7 +260,9 @@ class TreeEngine(SlotEngine):
         n = log.n.clone()
         P = self.L + n - 1
         with log.phase("draft"):
+            t_cu = self.clock()
             pending = self._catch_up(st, active)
+            catch_up_ms = 1000 * (self.clock() - t_cu)
             asked, w = st.policy.plan(n, log.col("accepted")[:, :N])
             d = torch.where(active, torch.minimum(torch.minimum(asked, N - n - 1), torch.full_like(asked, plan)), 0)
             if room is not None:
@@ -285,7 +287,8 @@ class TreeEngine(SlotEngine):
             accepted, rows = float(v.accepted[active].sum()), max(int(active.sum()), 1)
             self.budget.observe(st.R, plan, 1000 * (self.clock() - t0),
                                 costs.drafter(st.R, max(pending, 1)) + max(int(d.max()) - 1, 0) * costs.drafter(st.R, int(w.max()))
-                                + costs.target(st.R, 1 + K), 1 + accepted / rows, by_rank, predicted, accepted, rows=rows)
+                                + costs.target(st.R, 1 + K), 1 + accepted / rows, by_rank, predicted, accepted, rows=rows,
+                                catch_up_ms=catch_up_ms)
 
     # -- drafting ---------------------------------------------------------------------------------------
     def draft_probs(self, features):
