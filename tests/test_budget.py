@@ -13,6 +13,7 @@ from decoding.bundle import Conditions
 from decoding.engines import build_engine, engine_config
 from decoding.engines.base import Request
 from decoding.engines.budget import FLOOR_EVERY, PROBE_MAX, Budget, bucket
+from decoding.engines.tree import TreeEngine
 from decoding.engines.cost import CostTable, measure
 from tests.conftest import labels, tiny_bundle
 
@@ -353,6 +354,53 @@ def test_a_probe_is_judged_by_what_its_drafts_were_worth_not_by_one_draw():
     assert not b.goodput(2).below_plain(bucket(4)), b.goodput(2).rate
     b.observe(2, 16, step_ms=20.0, forward_ms=20.0, tokens_per_row=7.0, predicted=0.2, accepted=6.0, rows=1)
     assert b.goodput(2).below_plain(bucket(16)), b.goodput(2).rate     # and a lucky draw is no win
+
+
+def test_a_step_is_worth_what_it_moves_the_rows_furthest_from_done():
+    """A batch takes as many steps as its slowest row: a step whose drafts were worth 3 tokens to the
+    mean row but 0.2 to the rows furthest behind is below plain (0.06 token / ms against 0.1); the same
+    step without that information (one row, say) is above."""
+    for behind, below in ((0.2, True), (None, False)):
+        b = optimistic()
+        run(b, lambda K: PLAIN, 3)                               # the plain rate: 0.1 token / ms
+        b.observe(2, 4, step_ms=20.0, forward_ms=20.0, tokens_per_row=4.0, predicted=12.0, accepted=12.0, rows=4,
+                  behind=behind)
+        assert b.goodput(2).below_plain(bucket(4)) == below, (behind, b.goodput(2).rate)
+
+
+def test_the_engine_reports_the_worth_of_the_rows_furthest_from_done(monkeypatch, tmp_path):
+    """`behind` is the mean Σ of verified path probabilities over the unfinished rows with the fewest
+    tokens, as the step found them."""
+    monkeypatch.setenv("ARSPEC_CACHE", str(tmp_path))
+    bundle = tiny_bundle(vocab=8, grid=4, seed=1, std=0.3)
+    engine = build_engine(bundle, engine_config("eagle2", sampling=SAMPLING, **TREES["eagle2"]))
+    with_width(engine, 0.0)
+    seen, by_rank, spec = [], TreeEngine._by_rank, engine._spec_step
+    def record(tree, v, active):
+        out = by_rank(tree, v, active)
+        seen[-1]["per_row"] = out[2]
+        return out
+    def step(st, active, plan, t0, room=None):
+        seen.append({"n": st.log.n.clone(), "active": active.clone()})
+        return spec(st, active, plan, t0, room)
+    observe = engine.budget.observe
+    def obs(*a, **k):
+        if a[1] > 0:
+            seen[-1]["behind"] = k["behind"]
+        return observe(*a, **k)
+    monkeypatch.setattr(TreeEngine, "_by_rank", staticmethod(record))
+    monkeypatch.setattr(engine, "_spec_step", step)
+    monkeypatch.setattr(engine.budget, "observe", obs)
+    engine.generate(labels(8), range(8))
+    checked = 0
+    for s in seen:
+        if s.get("per_row") is None:
+            continue
+        n = torch.where(s["active"], s["n"], 10 ** 6)
+        rows = s["active"] & (s["n"] == n.min())
+        assert s["behind"] == pytest.approx(float(s["per_row"][rows].mean()))
+        checked += int(rows.sum() < s["active"].sum())            # some steps had rows ahead
+    assert checked > 0, len(seen)
 
 
 def with_width(engine, ms_per_slot: float):

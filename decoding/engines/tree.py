@@ -283,12 +283,14 @@ class TreeEngine(SlotEngine):
         with log.phase("commit"):
             st.pending = self._commit(st, tfeats, path, v.accepted, P, n, active) + 1   # the path and the bonus
         if costs is not None:
-            by_rank, predicted = self._by_rank(tree, v, active)
+            by_rank, predicted, per_row = self._by_rank(tree, v, active)
             accepted, rows = float(v.accepted[active].sum()), max(int(active.sum()), 1)
+            behind = active & (n == torch.where(active, n, N).min())          # the rows furthest from done
             self.budget.observe(st.R, plan, 1000 * (self.clock() - t0),
                                 costs.drafter(st.R, max(pending, 1)) + max(int(d.max()) - 1, 0) * costs.drafter(st.R, int(w.max()))
                                 + costs.target(st.R, 1 + K), 1 + accepted / rows, by_rank, predicted, accepted, rows=rows,
-                                catch_up_ms=catch_up_ms)
+                                catch_up_ms=catch_up_ms,
+                                behind=float(per_row[behind].mean()) if per_row is not None else None)
 
     # -- drafting ---------------------------------------------------------------------------------------
     def draft_probs(self, features):
@@ -457,14 +459,16 @@ class TreeEngine(SlotEngine):
     @staticmethod
     def _by_rank(tree: Tree, v, active):
         """What the budget learns from a step: the mean acceptance of each row's k-th best node by draft
-        score [K], and the Σ of the verified nodes' path probabilities (to calibrate them)."""
+        score [K], the Σ of the verified nodes' path probabilities (to calibrate them), and that Σ per
+        row [B]."""
         K = tree.tok.shape[1] - 1
         if K == 0 or not bool(active.any()):
-            return None, 0.0
+            return None, 0.0, None
         score = torch.where(tree.node & active[:, None], tree.score, float("-inf"))
         order = score.argsort(1, descending=True)[:, :K]
         hit = v.on_path.gather(1, order)[active].float().mean(0)
-        return hit.cpu().numpy(), float(score.exp().sum())
+        per_row = score.exp().sum(1)
+        return hit.cpu().numpy(), float(per_row.sum()), per_row
 
     # -- commit -----------------------------------------------------------------------------------------
     def _commit(self, st, tfeats, path, m, P, n, active):
