@@ -350,9 +350,9 @@ def test_a_probe_is_judged_by_what_its_drafts_were_worth_not_by_one_draw():
     stays above plain. Judged by the tokens it committed, one such step marked it below plain."""
     b = optimistic()
     run(b, lambda K: PLAIN, 3)                                   # the plain rate: 0.1 token / ms
-    b.observe(2, 4, step_ms=20.0, forward_ms=20.0, tokens_per_row=1.0, predicted=3.0, accepted=0.0, rows=1)
+    b.observe(2, 4, step_ms=20.0, forward_ms=20.0, tokens_per_row=1.0, predicted=3.0, accepted=0.0, behind=3.0)
     assert not b.goodput(2).below_plain(bucket(4)), b.goodput(2).rate
-    b.observe(2, 16, step_ms=20.0, forward_ms=20.0, tokens_per_row=7.0, predicted=0.2, accepted=6.0, rows=1)
+    b.observe(2, 16, step_ms=20.0, forward_ms=20.0, tokens_per_row=7.0, predicted=0.2, accepted=6.0, behind=0.2)
     assert b.goodput(2).below_plain(bucket(16)), b.goodput(2).rate     # and a lucky draw is no win
 
 
@@ -363,7 +363,7 @@ def test_a_step_is_worth_what_it_moves_the_rows_furthest_from_done():
     for behind, below in ((0.2, True), (None, False)):
         b = optimistic()
         run(b, lambda K: PLAIN, 3)                               # the plain rate: 0.1 token / ms
-        b.observe(2, 4, step_ms=20.0, forward_ms=20.0, tokens_per_row=4.0, predicted=12.0, accepted=12.0, rows=4,
+        b.observe(2, 4, step_ms=20.0, forward_ms=20.0, tokens_per_row=4.0, predicted=12.0, accepted=12.0,
                   behind=behind)
         assert b.goodput(2).below_plain(bucket(4)) == below, (behind, b.goodput(2).rate)
 

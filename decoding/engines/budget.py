@@ -198,23 +198,21 @@ class Budget:
 
     def observe(self, R: int, planned: int, step_ms: float, forward_ms: float, tokens_per_row: float = 1.0,
                 accepted_by_rank: np.ndarray | None = None, predicted: float = 0.0, accepted: float = 0.0,
-                rows: int = 0, catch_up_ms: float = 0.0, behind: float | None = None) -> None:
+                catch_up_ms: float = 0.0, behind: float | None = None) -> None:
         """A step planned with K = `planned` (0: plain) over R rows took step_ms, of which the model says
         forward_ms were forwards, and committed tokens_per_row per unfinished row. accepted_by_rank [K]:
         the mean acceptance of each rank's node over the rows; predicted / accepted: Σ of the verified
-        nodes' path probabilities and the drafts accepted (the calibration), over `rows` unfinished rows.
-
-        The step's goodput counts, with `rows`, the tokens the drafts were worth (1 + calibration x
-        predicted / rows) rather than the tokens this one step happened to commit: an accepted length
-        ranges over 1..depth + 1 from one step to the next, and one unlucky probe used to mark a bucket
-        below plain for hundreds of steps. The drafter's path probabilities, calibrated on every step,
-        still follow the image (they are low where it is hard).
+        nodes' path probabilities and the drafts accepted over the unfinished rows (the calibration).
 
         behind: the Σ of verified path probabilities of the rows furthest from done (the fewest tokens),
-        on average. Where given, a step is worth what it moves those rows: a batch takes as many steps
-        as its slowest row, and a row that runs ahead waits for it at the end of its image (tree.py
-        `refill_wait`). Traced at batch 8, 18 speculative steps that moved the mean row by 2.3 tokens
-        saved the batch 12 steps, not 23.
+        on average. Where given, the step's goodput counts the tokens the drafts were worth to those
+        rows, 1 + calibration x behind, not the tokens_per_row this one step happened to commit:
+        - what the drafts were worth, because an accepted length ranges over 1..depth + 1 from one step
+          to the next, and one unlucky probe used to mark a bucket below plain for hundreds of steps
+          (the drafter's path probabilities, calibrated on every step, still follow the image);
+        - to the rows furthest behind, because a batch takes as many steps as its slowest row, and a row
+          that runs ahead waits for it at the end of its image (tree.py `refill_wait`): traced at batch
+          8, 18 speculative steps that moved the mean row by 2.3 tokens saved the batch 12 steps.
 
         catch_up_ms: the drafter's catch-up in this step. A probe's run ends at once when the step is too
         slow to beat a plain step even without it: the run is there to spread the catch-up on the plain
@@ -224,10 +222,7 @@ class Budget:
             return
         kind = "spec" if planned > 0 else "plain"
         self.overhead[kind] = EMA * self.overhead[kind] + (1 - EMA) * max(step_ms - forward_ms, 0.0)
-        if behind is not None:
-            worth = 1 + self.calibration * behind
-        else:
-            worth = 1 + self.calibration * predicted / rows if rows > 0 and predicted > 0 else tokens_per_row
+        worth = tokens_per_row if behind is None else 1 + self.calibration * behind
         g, b, rate = self.goodput(R), bucket(planned), worth / max(step_ms, 1e-6)
         if b > 0 and 0 in g.rate and not g.probing and rate >= MARGIN * g.rate[0]:
             g.wait = PROBE_MIN                               # speculation pays: probe again soon when it stops

@@ -288,7 +288,7 @@ class TreeEngine(SlotEngine):
             behind = active & (n == torch.where(active, n, N).min())          # the rows furthest from done
             self.budget.observe(st.R, plan, 1000 * (self.clock() - t0),
                                 costs.drafter(st.R, max(pending, 1)) + max(int(d.max()) - 1, 0) * costs.drafter(st.R, int(w.max()))
-                                + costs.target(st.R, 1 + K), 1 + accepted / rows, by_rank, predicted, accepted, rows=rows,
+                                + costs.target(st.R, 1 + K), 1 + accepted / rows, by_rank, predicted, accepted,
                                 catch_up_ms=catch_up_ms,
                                 behind=float(per_row[behind].mean()) if per_row is not None else None)
 
