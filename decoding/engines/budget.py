@@ -11,7 +11,7 @@ The cost model proposes. For a step over R cache rows:
 
 with target() and drafter() from the measured cost table (cost.py), draft(K) the drafter forwards of a
 tree of depth <= K (plus the catch-up on what was committed since the drafter last ran), and the
-overheads (the step's work outside the forwards) learnt from the measured step times. `plan` takes the
+overheads (the step's work outside the forwards) learnt, per R, from the measured step times. `plan` takes the
 model's best K. After drafting, `choose` takes each row's actual nodes, valued by the drafter's own path
 probabilities (as EAGLE-2 ranks them) times a learnt calibration, and picks K <= plan to verify.
 
@@ -90,6 +90,17 @@ class Goodput:
     run: int = 0                                 # probe steps left after this one
     run_K: int = 0                               # the probe's K
     recent: deque = field(default_factory=lambda: deque(maxlen=PLAIN_LAST))   # the last plain steps' rates
+    overhead: dict = field(default_factory=lambda: {"spec": 0.0, "plain": 0.0})  # ms per step outside the forwards
+    samples: dict = field(default_factory=lambda: {"spec": 0, "plain": 0})       # steps the overheads came from
+
+    def learn_overhead(self, kind: str, ms: float) -> None:
+        """Per R, because the work outside the forwards (masks, selection, the K/V move) grows with the
+        rows: at batch 8 on a CPU it is 9-11 ms of a 30 ms speculative step, at batch 1 about 1. The mean
+        of the first samples, then an EMA: an average that started from 0 took ten steps to learn it, and
+        the model meanwhile predicted 1.2-1.4x plain for steps that measured 0.5-0.9x."""
+        self.samples[kind] += 1
+        a = max(1 - EMA, 1 / self.samples[kind])
+        self.overhead[kind] = (1 - a) * self.overhead[kind] + a * ms
 
     def update(self, b: int, rate: float) -> None:
         """rate[0] is the plain step's tokens / row / ms (the median of the last PLAIN_LAST); rate[b > 0] a
@@ -120,7 +131,6 @@ class Budget:
         self.prior = 0.8 ** np.arange(1, max_nodes + 1)     # v_k before anything was observed
         self.value = self.prior.copy()
         self.calibration = 1.0                               # accepted / drafter's path probability
-        self.overhead = {"spec": 0.0, "plain": 0.0}          # ms per step outside the forwards
         self.measured: dict[int, Goodput] = {}               # R -> what the steps achieved
         self._curve: dict = {}                               # (R, pending) -> forward ms of K = 0..max
 
@@ -140,7 +150,8 @@ class Budget:
 
     def model_rates(self, R: int, pending: int) -> np.ndarray:
         """The cost model's expected tokens per row per ms for K = 0..max."""
-        ms = self._forwards(R, pending) + np.array([self.overhead["plain"]] + [self.overhead["spec"]] * self.max)
+        o = self.goodput(R).overhead
+        ms = self._forwards(R, pending) + np.array([o["plain"]] + [o["spec"]] * self.max)
         return (1 + np.concatenate([[0.0], np.cumsum(self.value)])) / ms
 
     def model_plan(self, R: int, pending: int) -> int:
@@ -193,14 +204,15 @@ class Budget:
         prompts = int((values[:, 0] > 0).sum())
         gain = prompts + np.concatenate([[0.0], np.cumsum(v)])
         c = self.costs
-        rate = [gain[K] / (drafted_ms + c.target(R, 1 + K) + self.overhead["spec"]) for K in range(plan + 1)]
+        o = self.goodput(R).overhead["spec"]
+        rate = [gain[K] / (drafted_ms + c.target(R, 1 + K) + o) for K in range(plan + 1)]
         return int(np.argmax(rate))
 
     def observe(self, R: int, planned: int, step_ms: float, forward_ms: float, tokens_per_row: float = 1.0,
                 accepted_by_rank: np.ndarray | None = None, predicted: float = 0.0, accepted: float = 0.0,
                 catch_up_ms: float = 0.0, behind: float | None = None) -> None:
-        """A step planned with K = `planned` (0: plain) over R rows took step_ms, of which the model says
-        forward_ms were forwards, and committed tokens_per_row per unfinished row. accepted_by_rank [K]:
+        """A step planned with K = `planned` (0: plain) over R rows took step_ms, of which catch_up_ms were
+        the drafter's catch-up and, the model says, forward_ms the other forwards; it committed tokens_per_row per unfinished row. accepted_by_rank [K]:
         the mean acceptance of each rank's node over the rows; predicted / accepted: Σ of the verified
         nodes' path probabilities and the drafts accepted over the unfinished rows (the calibration).
 
@@ -214,16 +226,18 @@ class Budget:
           that runs ahead waits for it at the end of its image (tree.py `refill_wait`): traced at batch
           8, 18 speculative steps that moved the mean row by 2.3 tokens saved the batch 12 steps.
 
-        catch_up_ms: the drafter's catch-up in this step. A probe's run ends at once when the step is too
+        catch_up_ms: the drafter's catch-up in this step, timed. The overhead learnt is the step's time
+        outside it and the other forwards: a catch-up after a long plain stretch is not a step's usual
+        work (the model prices it from the cost table). A probe's run ends at once when the step is too
         slow to beat a plain step even without it: the run is there to spread the catch-up on the plain
         stretch before it, and nothing else in a step gets cheaper with the run (at batch 8-16 on a CPU
         the rest of a speculative step costs 2-3 plain steps)."""
         if self.fixed:
             return
-        kind = "spec" if planned > 0 else "plain"
-        self.overhead[kind] = EMA * self.overhead[kind] + (1 - EMA) * max(step_ms - forward_ms, 0.0)
+        g = self.goodput(R)
+        g.learn_overhead("spec" if planned > 0 else "plain", max(step_ms - catch_up_ms - forward_ms, 0.0))
         worth = tokens_per_row if behind is None else 1 + self.calibration * behind
-        g, b, rate = self.goodput(R), bucket(planned), worth / max(step_ms, 1e-6)
+        b, rate = bucket(planned), worth / max(step_ms, 1e-6)
         if b > 0 and 0 in g.rate and not g.probing and rate >= MARGIN * g.rate[0]:
             g.wait = PROBE_MIN                               # speculation pays: probe again soon when it stops
         if b > 0:
@@ -245,8 +259,9 @@ class Budget:
         """What was learnt, for the next engine on this device and model (cost.keep_learnt): acceptance,
         calibration, overheads and, per R, the measured rates and the probe back-off. A new actor then
         starts where the last one ended instead of paying again for the probes that taught it."""
-        return {"value": self.value.tolist(), "calibration": self.calibration, "overhead": dict(self.overhead),
-                "measured": {str(R): {"rate": {str(b): r for b, r in g.rate.items()}, "wait": g.wait}
+        return {"value": self.value.tolist(), "calibration": self.calibration,
+                "measured": {str(R): {"rate": {str(b): r for b, r in g.rate.items()}, "wait": g.wait,
+                                      "overhead": dict(g.overhead), "samples": dict(g.samples)}
                              for R, g in self.measured.items()}}
 
     def restore(self, state: dict | None) -> None:
@@ -255,11 +270,13 @@ class Budget:
         if not state or len(state.get("value", [])) != self.max:
             return
         self.value, self.calibration = np.array(state["value"], float), float(state["calibration"])
-        self.overhead = {k: float(state["overhead"][k]) for k in self.overhead}
         for R, g in state["measured"].items():
             rate = {int(b): float(r) for b, r in g["rate"].items()}
             self.measured[int(R)] = Goodput(rate=rate, seen={b: 0 for b in rate},
                                             wait=min(max(int(g["wait"]), PROBE_MIN), PROBE_MAX))
+            if "overhead" in g:                                # (state kept before overheads were per R: none)
+                self.measured[int(R)].overhead = {k: float(v) for k, v in g["overhead"].items()}
+                self.measured[int(R)].samples = {k: int(v) for k, v in g["samples"].items()}
 
     def ceiling(self, R: int) -> float:
         """What this device allows: the best speedup over a plain step any tree of <= max nodes could give

@@ -261,7 +261,7 @@ class TreeEngine(SlotEngine):
         P = self.L + n - 1
         with log.phase("draft"):
             t_cu = self.clock()
-            pending = self._catch_up(st, active)
+            self._catch_up(st, active)
             catch_up_ms = 1000 * (self.clock() - t_cu)
             asked, w = st.policy.plan(n, log.col("accepted")[:, :N])
             d = torch.where(active, torch.minimum(torch.minimum(asked, N - n - 1), torch.full_like(asked, plan)), 0)
@@ -287,8 +287,8 @@ class TreeEngine(SlotEngine):
             accepted, rows = float(v.accepted[active].sum()), max(int(active.sum()), 1)
             behind = active & (n == torch.where(active, n, N).min())          # the rows furthest from done
             self.budget.observe(st.R, plan, 1000 * (self.clock() - t0),
-                                costs.drafter(st.R, max(pending, 1)) + max(int(d.max()) - 1, 0) * costs.drafter(st.R, int(w.max()))
-                                + costs.target(st.R, 1 + K), 1 + accepted / rows, by_rank, predicted, accepted,
+                                max(int(d.max()) - 1, 0) * costs.drafter(st.R, int(w.max())) + costs.target(st.R, 1 + K),
+                                1 + accepted / rows, by_rank, predicted, accepted,
                                 catch_up_ms=catch_up_ms,
                                 behind=float(per_row[behind].mean()) if per_row is not None else None)
 
@@ -296,10 +296,10 @@ class TreeEngine(SlotEngine):
     def draft_probs(self, features):
         return self.target_probs(features)  # same head, same CFG and filtering as the target
 
-    def _catch_up(self, st, active) -> int:
+    def _catch_up(self, st, active) -> None:
         """Feed the drafter the (feature, next token) pairs committed since it last ran: pair i is (the
         target's feature at token i, token i + 1), in drafter slot L + i. Its last output per row becomes
-        st.dfeat, the feature the tree's first level is drafted from. Returns the longest catch-up.
+        st.dfeat, the feature the tree's first level is drafted from.
 
         At most the last CATCH_UP_MAX pairs: after a long plain stretch the drafter sees the condition
         and the recent tokens (two image rows of the shapes model) and the older slots stay masked. A
@@ -312,7 +312,7 @@ class TreeEngine(SlotEngine):
         st.dn, todo = st.dn + skip, todo - skip
         C = int(todo.max())
         if C == 0:
-            return 0
+            return
         lanes = torch.arange(C, device=self.device)
         keep = lanes < todo[:, None]
         i = (st.dn[:, None] + lanes).clamp(max=N - 1)                       # pair index = token index
@@ -329,7 +329,6 @@ class TreeEngine(SlotEngine):
         st.dfeat = torch.where(self.rows(todo > 0)[:, None], fresh, st.dfeat)
         st.dn = st.dn + todo
         log.draft_forwards += (todo > 0).long()
-        return C
 
     def _draft(self, draft, dfeat, P, d, w, log, keep: int | None = None) -> dict:
         """Every row's candidate nodes: tok, par (candidate index of the parent, -1 = root), depth, score
