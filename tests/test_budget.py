@@ -3,6 +3,7 @@ switch between plain and speculative (the drafter then catches up on a backlog),
 batching (a slot takes the next prompt as soon as its image is done) without changing any image."""
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -422,8 +423,8 @@ def test_the_engine_reports_the_worth_of_the_rows_furthest_from_done(monkeypatch
 def with_width(engine, ms_per_slot: float):
     """Give an auto-budget tree engine a known cost table: flat forwards, and `ms_per_slot` of attention
     width per slot (cost.py width_ms)."""
-    engine.costs = engine.budget.costs = table(lambda R, T: 10.0 + 0.01 * T)
-    engine.costs.width_ms = [ms_per_slot] * len(ROWS)
+    engine.costs = engine.budget.costs = dataclasses.replace(table(lambda R, T: 10.0 + 0.01 * T),
+                                                             width_ms=[ms_per_slot] * len(ROWS))
 
 
 @pytest.mark.parametrize("name", list(TREES))
@@ -459,7 +460,7 @@ def test_rows_behind_catch_up_by_speculation_and_none_passes_the_leader(tmp_path
 
     def traced(st):
         if len(moves) == 3:
-            engine.costs.width_ms = [10.0] * len(ROWS)
+            with_width(engine, 10.0)
         before = st.log.n.clone()
         step(st)
         moves.append((int(before.max()), int(st.log.n.max()), int((st.log.n - before).max())))

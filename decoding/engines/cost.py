@@ -33,7 +33,7 @@ ROWS = (2, 4, 8, 16, 32)
 TOKENS = (1, 2, 4, 8, 16, 32)
 
 
-@dataclass
+@dataclass(frozen=True)
 class CostTable:
     rows: list                  # R: cache rows per forward (with CFG, 2 per prompt)
     tokens: list                # T: tokens per row
@@ -42,7 +42,19 @@ class CostTable:
     key: str = ""
     width_ms: list = field(default_factory=list)   # [len(rows)]: target ms per slot of attention width
 
+    def __post_init__(self):
+        # (table, R, T) -> ms: a plain step asks the same few costs every step, and interpolating them
+        # each time cost 1-2% of a step at batch 4 (a table is frozen, so an answer never goes stale)
+        object.__setattr__(self, "_memo", {})
+        object.__setattr__(self, "_widths", [[w] * len(self.tokens) for w in self.width_ms])
+
     def _at(self, table, R: float, T: float) -> float:
+        key = (id(table), R, T)
+        if key not in self._memo:
+            self._memo[key] = self._interpolate(table, R, T)
+        return self._memo[key]
+
+    def _interpolate(self, table, R: float, T: float) -> float:
         rows, tokens, t = np.array(self.rows, float), np.array(self.tokens, float), np.array(table, float)
         per_row = [np.interp(T, tokens, line) if T <= tokens[-1] else
                    line[-1] + (T - tokens[-1]) * (line[-1] - line[-2]) / (tokens[-1] - tokens[-2]) for line in t]
@@ -61,7 +73,7 @@ class CostTable:
 
     def width(self, R: float) -> float:
         """ms one more slot of attention width adds to a target forward over R rows (one token each)."""
-        return max(self._at([[w] * len(self.tokens) for w in self.width_ms], R, 1), 0.0)
+        return max(self._at(self._widths, R, 1), 0.0)
 
     def summary(self) -> str:
         line = lambda name, t: f"{name} ms " + "; ".join(  # noqa: E731
