@@ -13,7 +13,7 @@ import torch
 from decoding.bundle import Conditions
 from decoding.engines import build_engine, engine_config
 from decoding.engines.base import Request
-from decoding.engines.budget import FLOOR_EVERY, PROBE_MAX, Budget, bucket
+from decoding.engines.budget import FLOOR_EVERY, PROBE_MAX, PROBE_MIN, PROBE_SHARE, Budget, bucket
 from decoding.engines.tree import TreeEngine
 from decoding.engines.cost import CostTable, measure
 from tests.conftest import labels, tiny_bundle
@@ -319,6 +319,41 @@ def test_a_probe_runs_long_enough_to_spread_the_catch_up_it_pays():
         plans.append(K)
         last = K
     assert sum(K > 0 for K in plans[-300:]) >= 250, plans[-300:]
+
+
+DEAR = lambda K: PLAIN if K == 0 else (50.0 + K, 2.0)         # noqa: E731  a probe loses 3 plain steps
+
+
+def test_probes_that_lose_several_plain_steps_come_rarely_where_speculation_never_paid():
+    """Batch 16 on a CPU: a speculative step costs 5 plain steps and commits 2 tokens. After the model's
+    first tries, probes doubling from 4 steps would come at steps ~130, 258, 514 of 1000; a failed probe
+    waits until what it lost (3 plain steps) is PROBE_SHARE of the steps since: 2 probes."""
+    b = optimistic()
+    plans = run(b, DEAR, 1000)
+    late = [i for i, K in enumerate(plans) if K > 0 and i >= 100]
+    assert len(late) <= 2, late
+    g = b.measured[2]
+    assert g.wait >= 3 / PROBE_SHARE and g.net < 0
+
+
+def test_where_speculation_has_paid_a_failed_probe_only_doubles_the_wait():
+    """Batch 1: easy stretches pay for the probes that find them. After an easy stretch (speculation
+    gained), the same dear probes back off by doubling, so the next easy stretch is found as soon as
+    before; the share rule applies only where speculation has lost in all."""
+    b = optimistic()
+    run(b, EASY, 100)
+    g = b.measured[2]
+    assert g.net > 0
+    waits = []
+    for _ in range(300):
+        K = b.plan(2, pending=1)
+        ms, tokens = DEAR(K)
+        b.observe(2, K, step_ms=ms, forward_ms=ms, tokens_per_row=tokens)
+        waits.append(g.wait)
+    grown = [w for w in dict.fromkeys(waits) if w > PROBE_MIN]
+    assert grown and all(b_ == 2 * a for a, b_ in zip(grown, grown[1:])) and grown[0] <= 2 * PROBE_MIN, grown
+    plans = run(b, EASY, 400)
+    assert next(i for i, K in enumerate(plans) if K > 0) <= 2 * grown[-1]
 
 
 def test_measurement_overrules_a_pessimistic_model_too():

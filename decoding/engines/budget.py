@@ -30,9 +30,12 @@ finished, so the ratio of the two kinds does not depend on how many rows are bus
    the model says; an unmeasured one only if the model expects it to beat a plain step; else the step is
    plain (K = 0, also when every bucket down to K = 1 measured below plain);
 3. plain steps re-probe speculation, with the model's best K > 0 for PROBE_RUN steps, once `wait` steps
-   have passed since the last speculative one; each probe whose run measures below MARGIN x plain doubles `wait`
-   (PROBE_MIN..PROBE_MAX), and any speculative step that beats it resets it, so a hard image costs a few probes and an easy stretch is
-   still found.
+   have passed since the last speculative one; each probe whose run measures below MARGIN x plain at
+   least doubles `wait` (PROBE_MIN..PROBE_MAX); where speculation has lost more than it gained so far,
+   it also waits long enough that the steps the probe lost come to PROBE_SHARE of the steps until the
+   next one. Any speculative step that beats plain resets it. So a hard image costs a few probes, a
+   device where speculation loses and a probe costs several plain steps (batch 8-16 on a CPU) probes
+   rarely, and where speculation has paid (batch 1), probes keep finding easy stretches.
 
 A speculative bucket's estimate is a fast EMA (SPEC_EMA) that also ages with steps, not samples
 (untouched for d steps, it keeps weight SPEC_EMA**d against a new measurement), so a probe after a long
@@ -60,6 +63,9 @@ PLAIN_LAST = 5   # the plain rate is the median of the last plain steps: it foll
 MARGIN = 1.1     # speculation must beat the plain rate by 10% to be taken, or to reset the back-off: one
                  # step's time is noisy, and a false "it pays" costs a run of slower steps
 PROBE_MIN, PROBE_MAX = 4, 1024   # plain steps before speculation is probed again (doubling on each failure)
+PROBE_SHARE = 0.02   # at most this share of the steps lost to probes that fail: a failed probe that lost x
+                     # plain steps waits x / PROBE_SHARE (at batch 16 on a CPU a probe loses 3-4 plain steps,
+                     # and doubling from 4 probed 4 times in an image of 256 tokens, 4-5% of its time)
 PROBE_RUN = 3    # speculative steps a probe takes, judged together: the first one pays the drafter's catch-up
                  # on the plain stretch before it, which speculation that pays pays once per run (at batch
                  # 1 on a CPU, single probes measured 0.66-0.77x plain where steady speculation gives 1.1x)
@@ -89,6 +95,8 @@ class Goodput:
     probing: bool = False                        # this step is a probe
     run: int = 0                                 # probe steps left after this one
     run_K: int = 0                               # the probe's K
+    lost: float = 0.0                            # plain steps the probe's run has lost so far
+    net: float = 0.0                             # plain steps speculation has gained in all (< 0: lost)
     recent: deque = field(default_factory=lambda: deque(maxlen=PLAIN_LAST))   # the last plain steps' rates
     overhead: dict = field(default_factory=lambda: {"spec": 0.0, "plain": 0.0})  # ms per step outside the forwards
     samples: dict = field(default_factory=lambda: {"spec": 0, "plain": 0})       # steps the overheads came from
@@ -182,7 +190,7 @@ class Budget:
             K = 0                                            # unmeasured: the model's word
         g.probing = K == 0 and g.step - g.last_spec >= g.wait
         if g.probing:
-            g.run, g.run_K = PROBE_RUN - 1, best
+            g.run, g.run_K, g.lost = PROBE_RUN - 1, best, 0.0
         return best if g.probing else K                      # 3. probe
 
     def hold(self, R: int) -> int:
@@ -240,6 +248,10 @@ class Budget:
         b, rate = bucket(planned), worth / max(step_ms, 1e-6)
         if b > 0 and 0 in g.rate and not g.probing and rate >= MARGIN * g.rate[0]:
             g.wait = PROBE_MIN                               # speculation pays: probe again soon when it stops
+        if b > 0 and 0 in g.rate:
+            gained = worth - step_ms * g.rate[0]             # over what plain steps commit in that time
+            g.net += gained
+            g.lost -= gained if g.probing else 0.0
         if b > 0:
             g.last_spec = g.step
         g.update(b, rate)
@@ -247,7 +259,8 @@ class Budget:
                 worth / max(step_ms - catch_up_ms, 1e-6) < MARGIN * g.rate[0]:
             g.run = 0                                        # it loses without the catch-up too: end the run
         if b > 0 and g.probing and g.run == 0 and 0 in g.rate:   # a probe's last step: judge the run
-            g.wait = PROBE_MIN if not g.below_plain(b) else min(2 * g.wait, PROBE_MAX)
+            g.wait = PROBE_MIN if not g.below_plain(b) else \
+                int(min(max(2 * g.wait, 0 if g.net > 0 else g.lost / PROBE_SHARE), PROBE_MAX))
         if accepted_by_rank is not None and len(accepted_by_rank):
             k = len(accepted_by_rank)
             self.value[:k] = EMA * self.value[:k] + (1 - EMA) * accepted_by_rank
