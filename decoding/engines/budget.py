@@ -11,9 +11,10 @@ The cost model proposes. For a step over R cache rows:
 
 with target() and drafter() from the measured cost table (cost.py), draft(K) the drafter forwards of a
 tree of depth <= K (plus the catch-up on what was committed since the drafter last ran), and the
-overheads (the step's work outside the forwards) learnt, per R, from the measured step times. `plan` takes the
-model's best K. After drafting, `choose` takes each row's actual nodes, valued by the drafter's own path
-probabilities (as EAGLE-2 ranks them) times a learnt calibration, and picks K <= plan to verify.
+overheads (the step's work outside the forwards) learnt, per R, from the measured step times. `plan`
+takes the model's best K. After drafting, `choose` takes each row's actual nodes, valued by the
+drafter's own path probabilities (as EAGLE-2 ranks them) times a learnt calibration, and picks K <= plan
+to verify.
 
 Measured goodput disposes. A model built from a cost table, learnt acceptances and an additive overhead
 can be wrong by a factor (on a CPU at batch 4-16 it predicted a win where a speculative step cost 2.4x a
@@ -167,7 +168,10 @@ class Budget:
         return int(np.argmax(self.model_rates(R, pending)))
 
     def goodput(self, R: int) -> Goodput:
-        return self.measured.setdefault(R, Goodput())
+        g = self.measured.get(R)                             # (setdefault would build a Goodput every call)
+        if g is None:
+            g = self.measured[R] = Goodput()
+        return g
 
     def plan(self, R: int, pending: int) -> int:
         """K to draft for this step (0: a plain step). R cache rows, `pending` the longest catch-up the
@@ -220,9 +224,10 @@ class Budget:
                 accepted_by_rank: np.ndarray | None = None, predicted: float = 0.0, accepted: float = 0.0,
                 catch_up_ms: float = 0.0, behind: float | None = None) -> None:
         """A step planned with K = `planned` (0: plain) over R rows took step_ms, of which catch_up_ms were
-        the drafter's catch-up and, the model says, forward_ms the other forwards; it committed tokens_per_row per unfinished row. accepted_by_rank [K]:
-        the mean acceptance of each rank's node over the rows; predicted / accepted: Σ of the verified
-        nodes' path probabilities and the drafts accepted over the unfinished rows (the calibration).
+        the drafter's catch-up and, the model says, forward_ms the other forwards; it committed
+        tokens_per_row per unfinished row. accepted_by_rank [K]: the mean acceptance of each rank's node
+        over the rows; predicted / accepted: Σ of the verified nodes' path probabilities and the drafts
+        accepted over the unfinished rows (the calibration).
 
         behind: the Σ of verified path probabilities of the rows furthest from done (the fewest tokens),
         on average. Where given, the step's goodput counts the tokens the drafts were worth to those

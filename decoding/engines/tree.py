@@ -195,11 +195,10 @@ class TreeEngine(SlotEngine):
         nothing back from the device beyond what vanilla's step does: the catch-up the drafter would need
         (`st.pending`, an upper bound over rows) is kept on the host. The one exception is `_room` on a
         device where attention width costs more than a token saves (a CPU at batch 8 and up): it reads
-        the longest row and the busy count, two scalars."""
+        the longest and the shortest row, two scalars."""
         t0 = self.clock()
         active = st.log.n < self.N
-        room = self._room(st, active)
-        may = room is None or bool((room > 0).any())
+        room, may = self._room(st)
         plan = min(self.budget.plan(st.R, st.pending), self.N) if may else self.budget.hold(st.R)
         st.step += 1
         if plan == 0:
@@ -212,8 +211,9 @@ class TreeEngine(SlotEngine):
         if self.costs is not None and st.step % KEEP_EVERY == 0:
             keep_learnt(self.costs.key, self.budget.state())
 
-    def _room(self, st, active) -> torch.Tensor | None:
-        """Per row, the most draft tokens it may verify this step [slots], or None (no limit).
+    def _room(self, st) -> tuple[torch.Tensor | None, bool]:
+        """Per row, the most draft tokens it may verify this step [slots] (None: no limit), and whether
+        any row may verify one.
 
         Attention reads every row up to the longest row's position, so a row that runs ahead of the batch
         makes every later step dearer for all the others, until it finishes (cost.py, `width_ms`). One
@@ -221,19 +221,20 @@ class TreeEngine(SlotEngine):
         steps left to it; one more committed token saves the row a plain step's share, target(R, 1) / B.
         Where the first is larger, rows are held to the slots behind the longest row (a plain step moves
         that one forward by one): rows behind it catch up by speculation, and rows in step take plain
-        steps, as vanilla's do. A finished or empty row already keeps the width at its end: no limit."""
+        steps, as vanilla's do. A finished or empty row (n = N) already keeps the width at its end: no
+        limit; so where there is one, every row is busy."""
         c = self.costs
         if c is None or not c.width_ms:
-            return None
+            return None, True
         R, per = st.R, (2 if self.sampling.use_cfg else 1)
         slot = c.width(R) * (R - per) / R
         if slot * self.N <= c.target(R, 1) / st.slots:                # no position makes a difference
-            return None
+            return None, True
         n = st.log.n
-        n_max, busy = int(n.max()), int(active.sum())
-        if slot * (self.N - n_max) <= c.target(R, 1) / max(busy, 1):
-            return None
-        return torch.where(active, n_max - n, 0)
+        n_max = int(n.max())
+        if slot * (self.N - n_max) <= c.target(R, 1) / st.slots:      # (n_max = N: a row is free)
+            return None, True
+        return n_max - n, int(n.min()) < n_max
 
     def _plain_step(self, st, active):
         """One target forward over the roots; the target draws the next token. The drafter rests: the
