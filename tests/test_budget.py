@@ -63,7 +63,7 @@ def test_budget_learns_acceptance_and_overhead():
 
 def test_the_overhead_of_a_step_is_learnt_per_batch_shape_from_its_first_step():
     """The work outside the forwards grows with the rows (at batch 8 on a CPU 9-11 ms of a 30 ms
-    speculative step, at batch 1 about 1): one step at R = 16 teaches the model that speculation there
+    speculative step, at batch 1 1-4 ms): one step at R = 16 teaches the model that speculation there
     loses, without touching what it knows of R = 2; a catch-up (timed apart) is no overhead."""
     b = Budget(table(lambda R, T: 2.0 * R + 0.5 * R * T), max_nodes=4, width=2)
     assert b.model_plan(R=16, pending=1) > 0                       # cold: forwards alone say it pays

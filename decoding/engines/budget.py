@@ -104,7 +104,7 @@ class Goodput:
 
     def learn_overhead(self, kind: str, ms: float) -> None:
         """Per R, because the work outside the forwards (masks, selection, the K/V move) grows with the
-        rows: at batch 8 on a CPU it is 9-11 ms of a 30 ms speculative step, at batch 1 about 1. The mean
+        rows: at batch 8 on a CPU it is 9-11 ms of a 30 ms speculative step, at batch 1 1-4 ms. The mean
         of the first samples, then an EMA: an average that started from 0 took ten steps to learn it, and
         the model meanwhile predicted 1.2-1.4x plain for steps that measured 0.5-0.9x."""
         self.samples[kind] += 1
@@ -256,7 +256,8 @@ class Budget:
         if b > 0 and 0 in g.rate:
             gained = worth - step_ms * g.rate[0]             # over what plain steps commit in that time
             g.net += gained
-            g.lost -= gained if g.probing else 0.0
+            if g.probing:
+                g.lost -= gained
         if b > 0:
             g.last_spec = g.step
         g.update(b, rate)
