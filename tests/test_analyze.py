@@ -365,3 +365,28 @@ def test_bench_scores_attributes_and_their_paired_difference_from_the_baseline()
     assert r["eng"]["attributes_vs_baseline"] == pytest.approx(
         [diffs.mean(), 1.96 * diffs.std(ddof=1) / np.sqrt(3)], abs=1e-3)
     assert r["eng"]["adherence"] == 0.0 and r["base"]["adherence"] == pytest.approx(1 / 3, abs=1e-3)
+
+
+def test_bench_rounds_rotate_the_engines_and_count_every_image(monkeypatch):
+    """rounds=2 runs the prompts twice on each engine; from one batch to the next the engines' order
+    rotates, so host drift over a run weighs on each alike; a round count below 1 is refused."""
+    from hydra import compose, initialize_config_dir
+    import workflows.bench as bench
+    calls, build = [], bench.build_engine
+
+    def traced(bundle, cfg):
+        engine = build(bundle, cfg)
+        run, name = engine.generate, len(calls)
+        calls.append([])
+        engine.generate = lambda *a, **k: calls[0].append(name) or run(*a, **k)
+        return engine
+    monkeypatch.setattr(bench, "build_engine", traced)
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        cfg = compose("bench", overrides=["prompts=2", "batch_size=2", "rounds=2", "engines=[vanilla,again]",
+                                          '+variants.again=["engine=vanilla"]'])
+        bad = compose("bench", overrides=["rounds=0"])
+    report = bench.run_bench(cfg)
+    assert calls[0] == [0, 1, 1, 0]                             # engine 0 first, then engine 1 first
+    assert {n: r["images"] for n, r in report["results"]["all"].items()} == {"vanilla": 4, "again": 4}
+    with pytest.raises(SystemExit, match="rounds=0: must be >= 1"):
+        bench.run_bench(bad)

@@ -3,7 +3,8 @@
 
 Every variant is a list of `generate` overrides (so it uses exactly the job's engine configs) and runs
 on the same prompts and seeds, in one process, interleaved batch by batch (the order rotates), so
-machine noise hits all engines alike. Reported per split (flat / textured shapes backgrounds) and
+machine noise hits all engines alike; `rounds=N` runs the prompts N times on each engine (the order
+still rotating), for batch sizes where one round is a batch or two. Reported per split (flat / textured shapes backgrounds) and
 overall: τ (tokens per target forward), step compression (vanilla forwards / engine forwards),
 wall speedup over vanilla (median and spread over batches), efficiency (speedup / compression), and
 prompt adherence from the shapes scorer. It also times the target and the drafter per forward at
@@ -117,6 +118,8 @@ def _median_ms(call, reps: int) -> float:
 
 def run_bench(cfg: DictConfig) -> dict:
     torch.set_num_threads(cfg.threads)
+    if cfg.rounds < 1:
+        raise SystemExit(f"rounds={cfg.rounds}: must be >= 1 (times each engine runs the prompts)")
     model = to_object(cfg.model)
     chosen = list(cfg.engines or cfg.variants)
     unknown = [n for n in chosen if n not in cfg.variants]
@@ -142,7 +145,11 @@ def run_bench(cfg: DictConfig) -> dict:
     names = list(engines)
     rows = {n: [] for n in names}
     wall = {n: [] for n in names}
-    for bi, batch in enumerate(batches):
+    # Each round runs every batch on every engine, the engines' order rotating from batch to batch and
+    # round to round, so a host that speeds up or slows down over a run (7-15% between runs on a shared
+    # 2-core VM) weighs on each engine alike. Engines keep what they learnt between rounds, as an actor
+    # does between its batches: later rounds are warm.
+    for bi, batch in [(r * len(batches) + i, b) for r in range(cfg.rounds) for i, b in enumerate(batches)]:
         order = names[bi % len(names):] + names[:bi % len(names)]
         for n in order:
             key, engine = engines[n]
@@ -164,7 +171,7 @@ def run_bench(cfg: DictConfig) -> dict:
                                 "fallbacks": int(r.records["fallback"].sum()) if "fallback" in r.records else 0,
                                 "target_forwards": r.target_forwards, "draft_forwards": r.draft_forwards,
                                 "wall_s": r.wall_s, "phase_s": r.phase_s, "adherence": s, "batch": bi})
-        log.info(f"[bench] batch {bi + 1}/{len(batches)} " +
+        log.info(f"[bench] batch {bi + 1}/{len(batches) * cfg.rounds} " +
                  " ".join(f"{n}={np.mean([r['tau'] for r in rows[n]]):.2f}τ" for n in names))
     costs = {}
     for key, bundle in bundles.items():
