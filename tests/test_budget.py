@@ -356,6 +356,30 @@ def test_where_speculation_has_paid_a_failed_probe_only_doubles_the_wait():
     assert next(i for i, K in enumerate(plans) if K > 0) <= 2 * grown[-1]
 
 
+def test_a_new_prompt_restarts_the_back_off_only_where_speculation_has_paid():
+    """A hard stretch backs the probes off (up to PROBE_MAX); the next prompt is a new image. Where
+    speculation has paid at this R, its arrival starts the back-off over, so the next easy image is
+    found at once; where it has only lost, the back-off stands. What it paid travels with the state."""
+    paid = optimistic()
+    run(paid, EASY, 100)
+    run(paid, HARD, 600)
+    assert paid.measured[2].wait >= 128 and paid.measured[2].net > 0
+    paid.admit(2)
+    assert paid.measured[2].wait == PROBE_MIN
+    plans = run(paid, EASY, 50)
+    assert next(i for i, K in enumerate(plans) if K > 0) <= PROBE_MIN, plans
+    lost = optimistic()
+    run(lost, DEAR, 600)
+    wait = lost.measured[2].wait
+    lost.admit(2)
+    assert lost.measured[2].wait == wait >= 128
+    again = optimistic()
+    again.restore(json.loads(json.dumps(paid.state())))
+    again.measured[2].wait = PROBE_MAX
+    again.admit(2)
+    assert again.measured[2].wait == PROBE_MIN
+
+
 def test_measurement_overrules_a_pessimistic_model_too():
     """A cost model that says plain (verifying costs grow with every token) is probed, and when the probe
     measures that speculation pays, speculation is taken even though the model still says plain."""
@@ -606,7 +630,7 @@ def test_the_auto_budget_mixes_steps_and_commits_vanillas_tokens(name, tmp_path,
 def test_the_engine_reports_each_step_to_the_budget_as_planned(tmp_path, monkeypatch):
     """What the measured goodput is made of: every step reports the K it was planned with (0 = plain)
     and the tokens it committed per unfinished row (plain: 1; speculative: 1 + accepted drafts), idle
-    and finished rows not counted."""
+    and finished rows not counted; and new prompts are announced (Budget.admit)."""
     monkeypatch.setenv("ARSPEC_CACHE", str(tmp_path))
     bundle = tiny_bundle(vocab=8, grid=4, seed=1, std=0.3)
     engine = build_engine(bundle, engine_config("eagle2", sampling=SAMPLING, **TREES["eagle2"]))
@@ -617,9 +641,12 @@ def test_the_engine_reports_each_step_to_the_budget_as_planned(tmp_path, monkeyp
     engine.budget.plan = lambda R, pending: plans.append([0, 4, 8][len(plans) % 3]) or plans[-1]   # <= total_tokens
     engine.budget.observe = lambda R, K, ms, fwd, tokens=1.0, *a, **k: (seen.append((K, ms, tokens)),
                                                                         observe(R, K, ms, fwd, tokens, *a, **k))
+    admitted = []
+    engine.budget.admit = admitted.append                              # a new prompt: the budget hears of it
     outs = engine.stream([Request(c, i, i) for i, c in enumerate(labels(6).split())], slots=8)   # 2 slots idle
     outs = list(outs)
     assert not [o.error for o in outs if o.error], [o.error for o in outs if o.error]
+    assert admitted and set(admitted) == {16}
     out = [o.result for o in outs]
     assert [K for K, _, _ in seen] == plans and 0 in plans and max(plans) > 0
     assert all(ms > 0 for _, ms, _ in seen)

@@ -171,6 +171,7 @@ class TreeEngine(SlotEngine):
         st.streams.reseed(rows, seeds)
         st.u[rows] = draws(st.streams, self.N)[rows]
         st.policy.reset(rows)
+        self.budget.admit(st.R)
         feats, cond_emb = self.prefill(st.target, cond, rows, st.slots)
         p0 = self.target_probs(feats[:, -1])
         x0 = sample(p0, st.u[rows, 0])
