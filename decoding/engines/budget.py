@@ -203,8 +203,11 @@ class Budget:
         next images plain (at batch 1, run three times over 16 prompts, speculative steps fell from 292 in
         the first round to 53 and 5). Where it has only lost, the back-off stands (at batch 8-16 a prompt
         arrives every few dozen steps)."""
-        if not self.fixed and self.goodput(R).net > 0:
-            self.goodput(R).wait = PROBE_MIN
+        if self.fixed:
+            return
+        g = self.goodput(R)
+        if g.net > 0:
+            g.wait = PROBE_MIN
 
     def hold(self, R: int) -> int:
         """A plain step the engine takes whatever the plan (no row may speculate, tree.py `_room`): it
