@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from decoding.models.gpt import GPT
+from decoding.models.packed import pack_linears
 from decoding.models.text import TextEncoder
 from decoding.models.vq import VQModel
 from decoding.sampling import NEUTRAL, SamplingParams
@@ -33,6 +34,12 @@ def cast(module: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
     """Floating-point parameters and buffers to `dtype`; complex ones (the RoPE table) stay as they are,
     where Module.to(dtype) would cast them to real and drop the sines."""
     return {torch.float32: module.float, torch.bfloat16: module.bfloat16, torch.float16: module.half}[dtype]()
+
+
+def for_inference(module: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+    """A transformer as the engines run it: on `device`, cast to `dtype`, in eval mode, and with its bf16
+    CPU linear layers packed for oneDNN once (models/packed.py: the same results, ~2x faster calls)."""
+    return pack_linears(cast(module.to(device), dtype).eval())
 
 
 @dataclass
@@ -68,7 +75,7 @@ class ModelBundle:
         # weight at every call, which costs more than the matmul at these sizes); the tokenizer and text
         # encoder stay in fp32 (one call per image or prompt).
         self.vq, self.text = (m.to(self.device).eval() if m is not None else None for m in (vq, text))
-        self.gpt, self.drafter = (cast(m.to(self.device), self.dtype).eval() if m is not None else None
+        self.gpt, self.drafter = (for_inference(m, self.device, self.dtype) if m is not None else None
                                   for m in (gpt, drafter))
         g = self.gpt.args.grid_size
         self.grid = g

@@ -279,6 +279,8 @@ def test_engines_run_in_bf16(name):
     import copy as _copy
     b = bundle(_copy.deepcopy(tiny_mar(0)), _copy.deepcopy(tiny_mar(1)), dtype="bfloat16")
     assert b.mar.z_proj.weight.dtype == torch.bfloat16 and b.mar.diffloss.net.input_proj.weight.dtype == torch.float32
+    from decoding.models.packed import PackedLinear, available
+    assert isinstance(b.mar.z_proj, PackedLinear) == available() and not isinstance(b.mar.diffloss.net.input_proj, PackedLinear)
     res = build_engine(b, engine_config(name, num_iter=6)).generate(b.conditions(["1", "2"]), [1, 2])
     assert np.isfinite(res[0].tokens).all() and res[0].image.shape == (8, 8, 3)
 

@@ -8,9 +8,12 @@ import numpy as np
 import pytest
 import torch
 
+from decoding.bundle import cast
 from decoding.checkpoint import load_module, read_state_dict, save_module
 from decoding.engines.base import CachedModel, visible
+from decoding.models import packed
 from decoding.models.gpt import GPT, GPTArgs, causal_mask, rope_table_2d
+from decoding.models.packed import pack_linears
 from decoding.models.text import TextArgs, TextEncoder, build_vocab
 from decoding.models.vq import VQArgs, VQModel
 from decoding.sampling import NEUTRAL, SamplingParams, filtered_probs, prompt_seed, sample
@@ -167,6 +170,9 @@ def test_bf16_bundle_computes_what_the_fp32_one_does(tiny_weights):
     b32, b16 = (load_bundle(ShapesConfig(weights_dir=str(tiny_weights), device="cpu", dtype=d)) for d in ("float32", "bfloat16"))
     assert b16.gpt.output.weight.dtype == torch.bfloat16 and b16.gpt.rope.dtype == torch.complex64
     assert torch.equal(b16.gpt.rope, b32.gpt.rope) and torch.equal(b16.drafter.rope, b32.drafter.rope)
+    # bf16 linears are packed for oneDNN once (models/packed.py); fp32 ones stay plain
+    assert isinstance(b16.drafter.fc, packed.PackedLinear) == isinstance(b16.gpt.output, packed.PackedLinear) == packed.available()
+    assert type(b32.gpt.output) is torch.nn.Linear
     prompts = ["a red circle in the center", "a small blue star"]
     tokens = torch.randint(0, 16, (2, 16), generator=torch.Generator().manual_seed(0))
     probs = []
@@ -180,6 +186,39 @@ def test_bf16_bundle_computes_what_the_fp32_one_does(tiny_weights):
         r = build_engine(b16, engine_config(name, sampling={"cfg_scale": 2.0}, **tree)).generate(
             b16.conditions(prompts), [1, 2])
         assert r[0].image.shape == (8, 8, 3) and len(r[1].tokens) == 16
+
+
+@pytest.mark.skipif(not packed.available(), reason="this torch has no oneDNN")
+def test_packed_bf16_linears_compute_what_plain_ones_do_and_follow_their_weights():
+    """A bf16 model's linear layers packed for oneDNN (models/packed.py) give the plain bf16 results bit
+    for bit, at every row count a step has; a weight changed in place is packed again, copies pack their
+    own, and autograd (training) takes the plain path."""
+    import copy
+
+    m = cast(t2i(), torch.bfloat16)
+    ref = copy.deepcopy(m)
+    pack_linears(m)
+    assert isinstance(m.output, packed.PackedLinear) and isinstance(m.layers[0].feed_forward.w2, packed.PackedLinear)
+    assert set(m.state_dict()) == set(ref.state_dict())
+    lin, plain = m.layers[0].attention.wqkv, ref.layers[0].attention.wqkv
+    with torch.inference_mode():
+        for rows in (1, 2, 16, 34, 272):
+            x = torch.randn(rows, 48).to(torch.bfloat16)
+            assert torch.equal(lin(x), plain(x)), rows
+        x = torch.randn(3, 5, 48).to(torch.bfloat16)
+        assert torch.equal(m.output(x), ref.output(x)) and lin._packed.weight is not None
+    with torch.no_grad():
+        lin.weight.mul_(2)
+        plain.weight.mul_(2)
+    with torch.inference_mode():
+        assert torch.equal(lin(x), plain(x))                              # packed again from the new weight
+    twin = copy.deepcopy(m)                                              # oneDNN tensors cannot be copied
+    with torch.inference_mode():
+        assert twin.layers[0].attention.wqkv._packed.weight is None and torch.equal(twin.output(x), ref.output(x))
+    x = torch.randn(3, 5, 48).to(torch.bfloat16).requires_grad_()
+    y = lin(x)
+    y.float().sum().backward()                                           # no grad through the packed op
+    assert x.grad is not None and lin.weight.grad is not None
 
 
 def test_checkpoints_round_trip_and_refuse_pickled_code(tmp_path):

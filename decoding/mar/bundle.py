@@ -9,6 +9,7 @@ import torch
 
 from decoding.bundle import cast, pick_dtype
 from decoding.models.mar import MAR
+from decoding.models.packed import pack_linears
 from decoding.models.text import TextEncoder
 from decoding.models.vae import AutoencoderKL
 from decoding.sampling import NEUTRAL, SamplingParams
@@ -58,7 +59,7 @@ class MarBundle:
         m = cast(m.to(self.device), self.dtype).eval()
         if self.device.type == "cpu":
             m.diffloss.float()
-        return m
+        return pack_linears(m)
 
     def conditions(self, prompts: list) -> MarConditions:
         if self.text is not None:
