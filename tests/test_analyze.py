@@ -372,6 +372,7 @@ def test_bench_rounds_rotate_the_engines_and_count_every_image(monkeypatch):
     rotates, so host drift over a run weighs on each alike; a round count below 1 is refused."""
     from hydra import compose, initialize_config_dir
     import workflows.bench as bench
+    from workflows.config import one_line
     calls, build = [], bench.build_engine
 
     def traced(bundle, cfg):
@@ -385,6 +386,10 @@ def test_bench_rounds_rotate_the_engines_and_count_every_image(monkeypatch):
         cfg = compose("bench", overrides=["prompts=2", "batch_size=2", "rounds=2", "engines=[vanilla,again]",
                                           '+variants.again=["engine=vanilla"]'])
         bad = compose("bench", overrides=["rounds=0"])
+        with pytest.raises(Exception) as unknown:                   # the bench's config has no schema class
+            compose("bench", overrides=["out_dir=/tmp/x"])
+    assert one_line(unknown.value) == ("out_dir: the config has no setting 'out_dir'; its settings are baseline, batch_size, "
+                                       "batch_sizes, engines, model, out, prompt_seed, prompts, rounds, seed, threads, variants")
     report = bench.run_bench(cfg)
     assert calls[0] == [0, 1, 1, 0]                             # engine 0 first, then engine 1 first
     assert {n: r["images"] for n, r in report["results"]["all"].items()} == {"vanilla": 4, "again": 4}

@@ -87,9 +87,9 @@ def one_line(e: BaseException) -> str:
         return f"{g}={choice}: no such {g}; choose one of {', '.join(options) or '(none)'}"
     if isinstance(cause, (ConfigAttributeError, ConfigKeyError)) and getattr(cause, "full_key", None):
         owner = getattr(cause, "object_type", None)
-        known = sorted(getattr(owner, "__dataclass_fields__", {}))
+        known = sorted(set(getattr(owner, "__dataclass_fields__", None) or getattr(cause, "parent_node", None) or {}) - {"hydra"})
         key = cause.full_key
-        where = f"{owner.__name__}" if owner else key.rpartition(".")[0]
+        where = owner.__name__ if owner and owner is not dict else (key.rpartition(".")[0] or "the config")
         return f"{key}: {where} has no setting {key.rpartition('.')[2]!r}; its settings are {', '.join(known)}"
     if isinstance(cause, OmegaConfBaseException) and getattr(cause, "full_key", None):
         return f"{cause.full_key}={cause.value!r}: {str(cause.msg).splitlines()[0]}"
