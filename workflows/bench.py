@@ -6,8 +6,8 @@ on the same prompts and seeds, in one process, interleaved batch by batch (the o
 machine noise hits all engines alike; `rounds=N` runs the prompts N times on each engine (the order
 still rotating), for batch sizes where one round is a batch or two. Reported per split (flat /
 textured shapes backgrounds) and overall: τ (tokens per target forward), step compression (vanilla
-forwards / engine forwards), wall speedup over vanilla (median and spread over batches), efficiency (speedup / compression), and
-prompt adherence from the shapes scorer. It also times the target and the drafter per forward at
+forwards / engine forwards), wall speedup over vanilla (median and spread over batches), efficiency
+(speedup / compression), and prompt adherence from the shapes scorer. It also times the target and the drafter per forward at
 several block sizes, which decides what speculative decoding can win on this machine.
 """
 from __future__ import annotations

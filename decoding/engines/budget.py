@@ -288,8 +288,9 @@ class Budget:
 
     def state(self) -> dict:
         """What was learnt, for the next engine on this device and model (cost.keep_learnt): acceptance,
-        calibration, overheads and, per R, the measured rates and the probe back-off. A new actor then
-        starts where the last one ended instead of paying again for the probes that taught it."""
+        calibration and, per R, the measured rates, the step overheads, the net gain and the probe
+        back-off. A new actor then starts where the last one ended instead of paying again for the probes
+        that taught it."""
         return {"value": self.value.tolist(), "calibration": self.calibration,
                 "measured": {str(R): {"rate": {str(b): r for b, r in g.rate.items()}, "wait": g.wait, "net": g.net,
                                       "overhead": dict(g.overhead), "samples": dict(g.samples)}
