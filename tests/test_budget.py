@@ -54,11 +54,18 @@ def test_choose_takes_what_the_drafts_are_worth():
 
 def test_budget_learns_acceptance_and_overhead():
     b = Budget(table(lambda R, T: 10.0), max_nodes=4, width=2)
+    assert b.model_plan(2, 1) == 4                                 # the prior: every node pays
     for _ in range(50):
         b.observe(2, 2, step_ms=15.0, forward_ms=10.0, tokens_per_row=2.0, accepted_by_rank=np.array([1.0, 0.0]),
                   predicted=2.0, accepted=1.0)
     assert b.value[0] > 0.95 and b.value[1] < 0.05 and b.value[3] <= b.value[1]
     assert b.goodput(2).overhead["spec"] == pytest.approx(5.0, rel=0.01) and b.calibration == pytest.approx(0.5, rel=0.02)
+    assert b.model_plan(2, 1) == 1                                 # what the model plans follows what was learnt
+    cold = Budget(table(lambda R, T: 10.0), max_nodes=4, width=2)  # acceptance alone changes (no overhead)
+    assert cold.model_plan(2, 1) == 4
+    for _ in range(50):
+        cold.observe(2, 4, step_ms=10.0, forward_ms=10.0, accepted_by_rank=np.zeros(4))
+    assert cold.goodput(2).overhead["spec"] == 0.0 and cold.model_plan(2, 1) == 0
 
 
 def test_the_overhead_of_a_step_is_learnt_per_batch_shape_from_its_first_step():

@@ -232,10 +232,11 @@ class TreeEngine(SlotEngine):
         if slot * self.N <= c.target(R, 1) / st.slots:                # no position makes a difference
             return None, True
         n = st.log.n
-        n_max = int(n.max())
+        ns = n.tolist()                                               # one read-back
+        n_min, n_max = min(ns), max(ns)
         if slot * (self.N - n_max) <= c.target(R, 1) / st.slots:      # (n_max = N: a row is free)
             return None, True
-        return n_max - n, int(n.min()) < n_max
+        return n_max - n, n_min < n_max
 
     def _plain_step(self, st, active):
         """One target forward over the roots; the target draws the next token. The drafter rests: the
