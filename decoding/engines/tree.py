@@ -93,12 +93,13 @@ class ADTTreeConfig(TreeConfig):
     name: str = "adt_tree"
     width: int = 4
     d_min: int = 2
-    # deep enough that the bisection reaches the node budget quickly on easy rows (τ on the shapes
-    # model, budget 16: d_max 12 -> 1.06x eagle2's, 16 -> 1.10x, 20 -> 1.12x; README "Measured")
-    d_max: int = 20
-    w_min: int = 1
+    # d_max, w_min, beta: chosen by τ at a fixed budget against eagle2's (docs/design.md, "ADT-Tree": 1.074x
+    # -> 1.095x on the bench's prompts). d_max deep enough that the bisection reaches the node budget
+    # quickly on easy rows; w_min 2 keeps a second branch per level for the budget's selection.
+    d_max: int = 32
+    w_min: int = 2
     w_max: int = 8
-    beta: float = 0.5                     # acceptance ratio above which a region counts as easy
+    beta: float = 0.6                     # acceptance ratio above which a region counts as easy
     adjacency: str = "horizontal"         # horizontal | 2d (also reads the row above)
 
     def validate(self) -> None:
