@@ -78,8 +78,16 @@ class CachedModel:
         self.valid[rows, slots] = True if keep is None else (keep | self.valid[rows, slots])
 
     def move(self, src: torch.Tensor, dst: torch.Tensor):
+        """Copy each row's K/V at slots src [R, A] to dst [R, A] in every layer. Lanes before the first
+        one where any row's entry is out of place are left out: a tree's block lists each level's best
+        node first, so a path that took it starts in place (a chain never moves; at batch 8 on a CPU
+        the copy of 8 layers was 0.65 ms of an 11.7 ms step of one draft token)."""
+        out = (src != dst).any(0)
+        if not bool(out.any()):
+            return
+        j = int(out.int().argmax())
         for cache in self.model.caches():
-            cache.move(src, dst)
+            cache.move(src[:, j:], dst[:, j:])
 
 
 @dataclass
