@@ -93,10 +93,12 @@ class ADTTreeConfig(TreeConfig):
     name: str = "adt_tree"
     width: int = 4
     d_min: int = 2
-    # d_max, w_min, beta: chosen by τ at a fixed budget against eagle2's (docs/design.md, "ADT-Tree": 1.074x
-    # -> 1.095x on the bench's prompts). d_max deep enough that the bisection reaches the node budget
-    # quickly on easy rows; w_min 2 keeps a second branch per level for the budget's selection.
-    d_max: int = 32
+    # d_max, w_min, beta: chosen by τ at a fixed budget against eagle2's (docs/design.md, "ADT-Tree": 1.081x
+    # -> 1.100x on the bench's prompts at batch 8, 1.084x -> 1.115x at batch 1). d_max well past the node
+    # budget: one easy tree takes the bisection halfway to it, so a flat stretch drafts a chain as deep as
+    # the budget at once (the budget, not d_max, caps what is drafted); w_min 2 keeps a second branch per
+    # level for the budget's selection.
+    d_max: int = 96
     w_min: int = 2
     w_max: int = 8
     beta: float = 0.6                     # acceptance ratio above which a region counts as easy
@@ -159,7 +161,8 @@ class TreeEngine(SlotEngine):
         return SimpleNamespace(
             slots=slots, R=R, log=log, streams=streams, u=draws(streams, N), policy=self.policy(slots), step=0,
             target=CachedModel(self.gpt, R, L + N + self.cfg.total_tokens + 1, self.bundle.dtype),
-            draft=CachedModel(self.drafter, R, L + N + d_max * w_max + 1, self.bundle.dtype),
+            # scratch for a tree's levels: the budget caps a tree's depth at total_tokens, whatever d_max
+            draft=CachedModel(self.drafter, R, L + N + min(d_max, self.cfg.total_tokens) * w_max + 1, self.bundle.dtype),
             feats=torch.zeros(R, N + 1, self.gpt.args.dim, dtype=self.bundle.dtype, device=dev),  # per token
             dfeat=torch.zeros(R, self.gpt.args.dim, dtype=self.bundle.dtype, device=dev),
             dn=torch.zeros(slots, dtype=torch.long, device=dev),          # (feature, next token) pairs drafted on
