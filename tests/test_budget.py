@@ -152,6 +152,42 @@ def test_continuous_batching_gives_every_prompt_its_own_image():
             assert all(o.result.wall_s > 0 for o in outs)
 
 
+@pytest.mark.parametrize("name", ["vanilla", "eagle2", "adt_tree"])
+def test_a_row_that_is_done_does_not_widen_attention(name):
+    """Attention reads every row up to the largest slot a forward writes (base.visible). A row whose image
+    is done, or a slot left empty, rides along in its batch's forwards parked on its first slots
+    (base.parked): no target or drafter forward reads further than the rows still decoding need, and
+    the images do not change (the continuous-batching test above)."""
+    bundle = tiny_bundle(vocab=8, grid=6, seed=1, std=0.3)
+    kw = {} if name == "vanilla" else dict(TREES[name], budget="fixed", refill_wait=0)
+    engine = build_engine(bundle, engine_config(name, sampling=SAMPLING, **kw))
+    L, N = engine.L, engine.N
+    reach = 1 if name == "vanilla" else kw["total_tokens"] + 1 + 3 * 3      # block, or drafter scratch
+    seen, step = {"limit": None, "checked": 0, "parked": 0}, engine._step
+
+    def spy_step(st):
+        live = st.log.n[st.log.n < N]
+        seen["limit"] = L + int(live.max()) + reach
+        seen["parked"] += int(len(live) < len(st.log.n))
+        step(st)
+    engine._step = spy_step
+
+    def spy(forward, at):                                                  # at: the mask's argument
+        def wrapped(*args, **kw):
+            mask = args[at] if len(args) > at else kw["mask"]
+            if seen["limit"] is not None:
+                assert mask.shape[-1] <= seen["limit"], (mask.shape, seen["limit"])
+                seen["checked"] += 1
+            return forward(*args, **kw)
+        return wrapped
+    engine.gpt.forward_embeds = spy(engine.gpt.forward_embeds, 2)     # (h, pos, mask, ...)
+    if engine.uses_drafter:
+        engine.drafter.forward = spy(engine.drafter.forward, 3)       # (emb, feat, pos, mask, ...)
+    outs = list(engine.stream((Request(c, i, key=i) for i, c in enumerate(labels(3).split())), slots=2))
+    assert len(outs) == 3 and not any(o.error for o in outs)
+    assert seen["parked"] > 10 and seen["checked"] > 30                     # steps with a done row were checked
+
+
 def test_rows_that_drifted_a_little_restart_together_and_images_do_not_change():
     """Speculation moves rows apart. A free row whose batch-mates finish within refill_wait tokens waits
     for them, so the next prompts start in step (attention reads every row up to the longest one); with

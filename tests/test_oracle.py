@@ -87,8 +87,8 @@ def test_every_verified_distribution_matches_a_cache_free_forward(variant, model
     for tok, parent, depth, P, probs in calls:
         for b in range(B):
             n = int(P[b]) - L + 1
-            if n >= N:
-                continue                                   # a finished row rides along
+            if not 1 <= n < N:
+                continue                                   # a finished row rides along (parked: P = 0)
             for j in range(tok.shape[1]):
                 if j and parent[b, j] < 0:
                     continue                               # padding
@@ -120,7 +120,7 @@ def _accepted_off_first_lane(calls, results, L, B):
     for tok, parent, depth, P, probs in calls:
         for b in range(B):
             n = int(P[b]) - L + 1
-            if n >= len(results[b].tokens):
+            if not 1 <= n < len(results[b].tokens):
                 continue
             committed = results[b].tokens.tolist()
             for j in range(1, tok.shape[1]):

@@ -60,6 +60,15 @@ def visible(valid: torch.Tensor, see: torch.Tensor) -> torch.Tensor:
     return mask.scatter_(2, see, True)
 
 
+def parked(slots: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
+    """The cache slots a step writes, slots [B, T], with the rows that are not live (image done, or an
+    empty slot) moved to slots 0..T-1. Attention reads every row up to the largest slot a step writes
+    (`visible`), and a finished row left at its image's end made every step of its batch read the whole
+    cache until the others finished. Slots 0..T-1 are the row's condition, which nothing reads before
+    the next prompt's prefill writes it again; a parked row's outputs are never used."""
+    return torch.where(live[:, None], slots, torch.arange(slots.shape[1], device=slots.device))
+
+
 class CachedModel:
     """A model with a static KV cache over R rows and, per row, the set of committed (visible) slots."""
 

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
-from decoding.engines.base import CachedModel, Engine, EngineConfig, visible
+from decoding.engines.base import CachedModel, Engine, EngineConfig, parked, visible
 from decoding.engines.log import TokenLog
 from decoding.sampling import ACCEPT, GUMBEL, JACOBI, SAMPLE, Streams, sample
 
@@ -162,10 +162,11 @@ class Jacobi(Engine):
         T = tok.shape[1] + 1
         lanes = torch.arange(T, device=self.device)
         c = log.tokens.gather(1, (n - 1).clamp(min=0)[:, None])
-        slots = self.L + n[:, None] - 1 + lanes                                  # logical position = slot
+        pos = self.L + n[:, None] - 1 + lanes                                    # logical position = slot
+        slots = parked(pos, n < self.N)
         see = torch.where(lanes[None, None, :] <= lanes[None, :, None], slots[:, None, :], slots[:, :, None])
         f = self.gpt.forward_embeds(self.gpt.embed_tokens(self.rows(torch.cat([c, tok], 1))),
-                                    self.rows(slots.clamp(max=self.L + self.N - 1)),
+                                    self.rows(pos.clamp(max=self.L + self.N - 1)),
                                     visible(target.valid, self.rows(see)), self.rows(slots))
         return self.target_probs(f)
 

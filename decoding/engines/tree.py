@@ -17,7 +17,8 @@ speculative (K > 0):
      against the tree (verify.py);
   5. commit: the accepted path's K/V move to contiguous slots; the path's features wait for the next
      catch-up.
-Rows keep their own n, so every tensor here is per row; padded nodes and finished rows are masked out.
+Rows keep their own n, so every tensor here is per row; padded nodes are masked out, and a finished
+row's forwards are parked at its first slots (base.parked) so that it widens no one's attention.
 A step has no loop over rows and reads back from the device only loop bounds and the budget's inputs.
 """
 from __future__ import annotations
@@ -29,7 +30,7 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-from decoding.engines.base import CachedModel, EngineConfig, SlotEngine, visible
+from decoding.engines.base import CachedModel, EngineConfig, SlotEngine, parked, visible
 from decoding.engines.budget import Budget
 from decoding.engines.cost import cost_table, keep_learnt, learnt
 from decoding.engines.log import TokenLog
@@ -226,8 +227,8 @@ class TreeEngine(SlotEngine):
         steps left to it; one more committed token saves the row a plain step's share, target(R, 1) / B.
         Where the first is larger, rows are held to the slots behind the longest row (a plain step moves
         that one forward by one): rows behind it catch up by speculation, and rows in step take plain
-        steps, as vanilla's do. A finished or empty row (n = N) already keeps the width at its end: no
-        limit; so where there is one, every row is busy."""
+        steps, as vanilla's do. A finished or empty row (n = N) is parked at its first slots
+        (base.parked) and counts for nothing here."""
         c = self.costs
         if c is None or not c.width_ms:
             return None, True
@@ -236,9 +237,11 @@ class TreeEngine(SlotEngine):
         if slot * self.N <= c.target(R, 1) / st.slots:                # no position makes a difference
             return None, True
         n = st.log.n
-        ns = n.tolist()                                               # one read-back
+        ns = [x for x in n.tolist() if x < self.N]                    # one read-back; done rows are parked
+        if not ns:
+            return None, True
         n_min, n_max = min(ns), max(ns)
-        if slot * (self.N - n_max) <= c.target(R, 1) / st.slots:      # (n_max = N: a row is free)
+        if slot * (self.N - n_max) <= c.target(R, 1) / st.slots:
             return None, True
         return n_max - n, n_min < n_max
 
@@ -249,10 +252,11 @@ class TreeEngine(SlotEngine):
         with log.phase("forward"):
             last = (log.n.clamp(max=N) - 1)[:, None]                      # the root's token index
             pos = self.rows(L + last)
+            slot = self.rows(parked(L + last, active))
             root = log.tokens.gather(1, last.clamp(min=0)).clamp(min=0)
             f = self.gpt.forward_embeds(self.gpt.embed_tokens(self.rows(root)), pos,
-                                        visible(st.target.valid, pos[..., None]), pos)
-            st.target.commit(pos, self.rows(active)[:, None])
+                                        visible(st.target.valid, slot[..., None]), slot)
+            st.target.commit(slot, self.rows(active)[:, None])
             probs = self.target_probs(f[:, 0])
         with log.phase("accept"):
             x = sample(probs, st.u.gather(1, log.n.clamp(max=N - 1)[:, None])[:, 0])
@@ -265,7 +269,7 @@ class TreeEngine(SlotEngine):
     def _spec_step(self, st, active, plan, t0, room=None):
         log, N, costs = st.log, self.N, self.costs
         n = log.n.clone()
-        P = self.L + n - 1
+        P = parked((self.L + n - 1)[:, None], active)[:, 0]              # the root's slot
         with log.phase("draft"):
             t_cu = self.clock()
             self._catch_up(st, active)
@@ -323,7 +327,7 @@ class TreeEngine(SlotEngine):
         lanes = torch.arange(C, device=self.device)
         keep = lanes < todo[:, None]
         i = (st.dn[:, None] + lanes).clamp(max=N - 1)                       # pair index = token index
-        slots = self.L + i
+        slots = parked(self.L + i, active)
         see = torch.where(lanes[None, None, :] <= lanes[None, :, None], slots[:, None, :], slots[:, :, None])
         nxt = log.tokens.gather(1, (i + 1).clamp(max=N - 1)).clamp(min=0)
         feats = st.feats.gather(1, self.rows(i)[..., None].expand(-1, -1, st.feats.shape[-1]))

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import torch
 
-from decoding.engines.base import CachedModel, EngineConfig, SlotEngine, visible
+from decoding.engines.base import CachedModel, EngineConfig, SlotEngine, parked, visible
 from decoding.engines.log import TokenLog
 from decoding.engines.verify import draws
 from decoding.sampling import Streams, sample
@@ -53,10 +53,11 @@ class Vanilla(SlotEngine):
     def _step(self, st):
         log, L = st.log, self.L
         with log.phase("forward"):
-            slots = (L + log.n.clamp(max=self.N) - 1)[:, None]                 # the last token's position
+            last = L + log.n.clamp(max=self.N)[:, None] - 1                     # the last token's position
+            live = log.n < self.N
+            pos, slot = self.rows(last), self.rows(parked(last, live))
             x = log.tokens.gather(1, (log.n - 1).clamp(0, self.N - 1)[:, None]).clamp(min=0)
-            rs = self.rows(slots)
-            f = self.gpt.forward_embeds(self.gpt.embed_tokens(self.rows(x)), rs, visible(st.target.valid, rs[..., None]), rs)
-            st.target.commit(rs, self.rows(log.n < self.N)[:, None])
+            f = self.gpt.forward_embeds(self.gpt.embed_tokens(self.rows(x)), pos, visible(st.target.valid, slot[..., None]), slot)
+            st.target.commit(slot, self.rows(live)[:, None])
             st.probs = self.target_probs(f[:, 0])
         self._sample(st)
