@@ -13,7 +13,7 @@ import torch
 from decoding.bundle import Conditions
 from decoding.engines import build_engine, engine_config
 from decoding.engines.base import Request
-from decoding.engines.budget import FLOOR_EVERY, PROBE_MAX, PROBE_MIN, PROBE_SHARE, Budget, bucket
+from decoding.engines.budget import CONFIDENT, FLOOR_EVERY, PROBE_MAX, PROBE_MIN, PROBE_SHARE, Budget, bucket
 from decoding.engines.tree import TreeEngine
 from decoding.engines.cost import CostTable, measure
 from tests.conftest import labels, tiny_bundle
@@ -118,7 +118,7 @@ TREES = {"eagle2": dict(total_tokens=8, depth=3, width=3),
 def alternate(engine, pattern):
     """Make the engine's budget plan follow `pattern` (0 = plain step), cycling."""
     calls = iter(range(10**9))
-    engine.budget.plan = lambda R, pending: pattern[next(calls) % len(pattern)]
+    engine.budget.plan = lambda R, pending, confidence=None: pattern[next(calls) % len(pattern)]
 
 
 @pytest.mark.parametrize("name", list(TREES))
@@ -362,6 +362,32 @@ def test_a_probe_runs_long_enough_to_spread_the_catch_up_it_pays():
         plans.append(K)
         last = K
     assert sum(K > 0 for K in plans[-300:]) >= 250, plans[-300:]
+
+
+def test_confident_plain_steps_probe_at_once_only_where_speculation_has_paid():
+    """A plain stretch whose rows draw their tokens with high target probability probes as soon as
+    PROBE_MIN steps have passed, whatever the back-off, where speculation has gained; where it has only
+    lost (batch 8-16 on a CPU) confidence starts no probe. The cue is read only when it could start one."""
+    for gained, trained in ((True, EASY), (False, DEAR)):
+        b = optimistic()
+        run(b, trained, 100 if gained else 600)
+        for _ in range(300):                                  # dear probes: the back-off grows
+            K = b.plan(2, pending=1)
+            ms, tokens = DEAR(K)
+            b.observe(2, K, step_ms=ms, forward_ms=ms, tokens_per_row=tokens)
+        g = b.measured[2]
+        assert (g.net > 0) == gained and g.wait > 4 * PROBE_MIN
+        asked, plans = [], []
+        for level in [CONFIDENT - 0.2] * 12 + [CONFIDENT + 0.05] * 12:
+            K = b.plan(2, pending=1, confidence=lambda v=level: asked.append(v) or v)
+            b.observe(2, K, step_ms=PLAIN[0], forward_ms=PLAIN[0], tokens_per_row=1.0) if K == 0 else \
+                b.observe(2, K, step_ms=20.0, forward_ms=20.0, tokens_per_row=2.6)
+            plans.append(K)
+        confident_probe = any(K > 0 for K in plans[12:])
+        assert confident_probe == gained, plans
+        assert not any(K > 0 for K in plans[:12]) or g.step - g.last_spec >= g.wait, plans
+        if not gained:
+            assert not asked                                   # never read where it cannot start a probe
 
 
 DEAR = lambda K: PLAIN if K == 0 else (50.0 + K, 2.0)         # noqa: E731  a probe loses 3 plain steps
@@ -640,7 +666,7 @@ def test_a_plain_step_is_vanillas_step(name, tmp_path, monkeypatch):
     vst = ready(van)
     tree = build_engine(bundle, engine_config(name, sampling=SAMPLING, **TREES[name]))
     tst = ready(tree)
-    tree.budget.plan = lambda R, pending: 0
+    tree.budget.plan = lambda R, pending, confidence=None: 0
     calls = []
     monkeypatch.setattr(tree, "drafter", lambda *a, **k: calls.append(1))
     plain, vanilla = aten_ops(lambda: tree._step(tst)), aten_ops(lambda: van._step(vst))
@@ -681,7 +707,7 @@ def test_the_engine_reports_each_step_to_the_budget_as_planned(tmp_path, monkeyp
     observe = engine.budget.observe
     # a fixed mix of plain and speculative plans (the budget's own choice depends on measured time, and
     # this test is about what the engine reports, not what the budget chooses)
-    engine.budget.plan = lambda R, pending: plans.append([0, 4, 8][len(plans) % 3]) or plans[-1]   # <= total_tokens
+    engine.budget.plan = lambda R, pending, confidence=None: plans.append([0, 4, 8][len(plans) % 3]) or plans[-1]   # <= total_tokens
     engine.budget.observe = lambda R, K, ms, fwd, tokens=1.0, *a, **k: (seen.append((K, ms, tokens)),
                                                                         observe(R, K, ms, fwd, tokens, *a, **k))
     admitted = []

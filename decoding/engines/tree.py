@@ -205,7 +205,8 @@ class TreeEngine(SlotEngine):
         t0 = self.clock()
         active = st.log.n < self.N
         room, may = self._room(st)
-        plan = min(self.budget.plan(st.R, st.pending), self.N) if may else self.budget.hold(st.R)
+        plan = min(self.budget.plan(st.R, st.pending, lambda: self._confidence(st, active)), self.N) \
+            if may else self.budget.hold(st.R)
         st.step += 1
         if plan == 0:
             self._plain_step(st, active)
@@ -216,6 +217,14 @@ class TreeEngine(SlotEngine):
             self._spec_step(st, active, plan, t0, room)
         if self.costs is not None and st.step % KEEP_EVERY == 0:
             keep_learnt(self.costs.key, self.budget.state())
+
+    def _confidence(self, st, active, last: int = 8) -> float:
+        """The least confident busy row's mean target probability of its last `last` tokens (the budget's
+        cue that a flat stretch began: Budget.plan). One read-back, made only when it could start a probe."""
+        log = st.log
+        idx = (log.n[:, None] - 1 - torch.arange(last, device=self.device)).clamp(min=0)
+        p = log.col("p_target").gather(1, idx).mean(1)
+        return float(torch.where(active, p, 1.0).min())
 
     def _room(self, st) -> tuple[torch.Tensor | None, bool]:
         """Per row, the most draft tokens it may verify this step [slots] (None: no limit), and whether
