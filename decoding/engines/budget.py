@@ -143,7 +143,6 @@ class Goodput:
 class Budget:
     def __init__(self, costs: CostTable | None, max_nodes: int, width: int):
         self.costs, self.max, self.width = costs, max_nodes, width
-        self.confident = CONFIDENT
         self.prior = 0.8 ** np.arange(1, max_nodes + 1)     # v_k before anything was observed
         self.value = self.prior.copy()
         self.calibration = 1.0                               # accepted / drafter's path probability
@@ -218,7 +217,7 @@ class Budget:
             K = 0                                            # unmeasured: the model's word
         since = g.step - g.last_spec
         g.probing = K == 0 and (since >= g.wait or (g.net > 0 and since >= PROBE_MIN and confidence is not None
-                                                    and confidence() >= self.confident))
+                                                    and confidence() >= CONFIDENT))
         if g.probing:
             g.run, g.run_K, g.lost = PROBE_RUN - 1, best, 0.0
         return best if g.probing else K                      # 3. probe
