@@ -66,9 +66,10 @@ PLAIN_LAST = 5   # the plain rate is the median of the last plain steps: it foll
 MARGIN = 1.1     # speculation must beat the plain rate by 10% to be taken, or to reset the back-off: one
                  # step's time is noisy, and a false "it pays" costs a run of slower steps
 PROBE_MIN, PROBE_MAX = 4, 1024   # plain steps before speculation is probed again (doubling on each failure)
-PROBE_SHARE = 0.02   # at most this share of the steps lost to probes that fail: a failed probe that lost x
+PROBE_SHARE = 0.005  # at most this share of the steps lost to probes that fail: a failed probe that lost x
                      # plain steps waits x / PROBE_SHARE (at batch 16 on a CPU a probe loses 3-4 plain steps,
-                     # and doubling from 4 probed 4 times in an image of 256 tokens, 4-5% of its time)
+                     # and doubling from 4 probed 4 times in an image of 256 tokens, 4-5% of its time; 0.02
+                     # still cost 2%: in one process, batch 16, 0.972x vanilla against 0.985x with 0.005)
 PROBE_RUN = 3    # speculative steps a probe takes, judged together: the first one pays the drafter's catch-up
                  # on the plain stretch before it, which speculation that pays pays once per run (at batch
                  # 1 on a CPU, single probes measured 0.66-0.77x plain where steady speculation gives 1.1x)
@@ -209,18 +210,25 @@ class Budget:
         if g.run > 0:                                        # 3. a probe's next step
             g.run, g.probing = g.run - 1, True
             return g.run_K
-        rates, best = self._spec_rates(R, pending)
-        K = best                                             # the model's best tree
-        while K > 0 and g.below_plain(bucket(K)):            # 2. step down past buckets measured worse
-            K = 2 ** (bucket(K) - 2) if bucket(K) > 1 else 0
-        if K > 0 and bucket(K) not in g.rate and rates[K - 1] <= self._plain_rate(R, pending):
-            K = 0                                            # unmeasured: the model's word
+        K, best = self._choice(R, pending)                   # 2.
         since = g.step - g.last_spec
         g.probing = K == 0 and (since >= g.wait or (g.net > 0 and since >= PROBE_MIN and confidence is not None
                                                     and confidence() >= CONFIDENT))
         if g.probing:
             g.run, g.run_K, g.lost = PROBE_RUN - 1, best, 0.0
         return best if g.probing else K                      # 3. probe
+
+    def _choice(self, R: int, pending: int) -> tuple[int, int]:
+        """Rule 2 of the module docstring, without probes: (K, the model's best K). A function of what
+        was measured and learnt, and of `pending`."""
+        g = self.goodput(R)
+        rates, best = self._spec_rates(R, pending)
+        K = best                                             # the model's best tree
+        while K > 0 and g.below_plain(bucket(K)):            # step down past buckets measured worse
+            K = 2 ** (bucket(K) - 2) if bucket(K) > 1 else 0
+        if K > 0 and bucket(K) not in g.rate and rates[K - 1] <= self._plain_rate(R, pending):
+            K = 0                                            # unmeasured: the model's word
+        return K, best
 
     def admit(self, R: int) -> None:
         """A new prompt entered the batch. Where speculation has paid at this R, the probe back-off starts
@@ -233,6 +241,21 @@ class Budget:
         g = self.goodput(R)
         if g.net > 0:
             g.wait = PROBE_MIN
+
+    def quiet(self, R: int, pending: int) -> int:
+        """After a plain step that was no probe: how many of the next steps are certain to be plain, so
+        that the engine may take them without planning, `_room` or `observe` (each a `hold`). `pending`
+        must be what the drafter's catch-up will stay at (the engine's cap), so that rule 2 gives the same
+        answer at every step. Where speculation has only lost at this R (no confidence cue), the floor is
+        measured and rule 2 says plain, no plain step's measurement changes the plan before the next probe
+        is due: every step up to PLAIN_LAST before it is quiet (those keep the plain rate the probe is
+        judged by fresh). That bookkeeping was 1.5-2% of a plain step at batch 8-16 on a CPU."""
+        if self.fixed:
+            return 0
+        g = self.goodput(R)
+        if g.probing or g.run or g.net > 0 or g.plain_n < FLOOR_SAMPLES or self._choice(R, pending)[0]:
+            return 0
+        return max(g.last_spec + g.wait - g.step - 1 - PLAIN_LAST, 0)
 
     def hold(self, R: int) -> int:
         """A plain step the engine takes whatever the plan (no row may speculate, tree.py `_room`): it

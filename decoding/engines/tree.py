@@ -167,7 +167,8 @@ class TreeEngine(SlotEngine):
             feats=torch.zeros(R, N + 1, self.gpt.args.dim, dtype=self.bundle.dtype, device=dev),  # per token
             dfeat=torch.zeros(R, self.gpt.args.dim, dtype=self.bundle.dtype, device=dev),
             dn=torch.zeros(slots, dtype=torch.long, device=dev),          # (feature, next token) pairs drafted on
-            pending=0)                                                     # most pairs a row's drafter lags by
+            pending=0,                                                     # most pairs a row's drafter lags by
+            quiet=0)                                                       # plain steps left that need no budget
 
     def _admit(self, st, rows, cond, seeds):
         """Prefill new prompts, draw their first token, run the drafter over their condition prefix."""
@@ -201,18 +202,26 @@ class TreeEngine(SlotEngine):
         nothing back from the device beyond what vanilla's step does: the catch-up the drafter would need
         (`st.pending`, an upper bound over rows) is kept on the host. The one exception is `_room` on a
         device where attention width costs more than a token saves (a CPU at batch 8 and up): it reads
-        the longest and the shortest row, two scalars."""
+        the longest and the shortest row, two scalars. Where the budget knows the next steps are plain
+        (Budget.quiet: speculation has only lost here, and the next probe is not due), they skip it all."""
         t0 = self.clock()
         active = st.log.n < self.N
-        room, may = self._room(st)
-        plan = min(self.budget.plan(st.R, st.pending, lambda: self._confidence(st, active)), self.N) \
-            if may else self.budget.hold(st.R)
+        quiet, room = st.quiet > 0, None
+        if quiet:                                  # certain to be plain (Budget.quiet): nothing to plan or measure
+            st.quiet -= 1
+            plan = self.budget.hold(st.R)
+        else:
+            room, may = self._room(st)
+            plan = min(self.budget.plan(st.R, st.pending, lambda: self._confidence(st, active)), self.N) \
+                if may else self.budget.hold(st.R)
         st.step += 1
         if plan == 0:
             self._plain_step(st, active)
             st.pending = min(st.pending + 1, CATCH_UP_MAX)
-            if self.costs is not None:
+            if self.costs is not None and not quiet:
                 self.budget.observe(st.R, 0, 1000 * (self.clock() - t0), self.costs.target(st.R, 1))
+                if st.pending == CATCH_UP_MAX:         # (until then the catch-up's cost, and the plan, change)
+                    st.quiet = self.budget.quiet(st.R, st.pending)
         else:
             self._spec_step(st, active, plan, t0, room)
         if self.costs is not None and st.step % KEEP_EVERY == 0:
