@@ -757,7 +757,8 @@ def test_where_speculation_only_lost_the_engine_skips_the_budget_and_commits_van
         monkeypatch.setattr(obj, fn, lambda *a, real=real, fn=fn, **k: calls.append(fn) or real(*a, **k))
     out = engine.generate(labels(12), range(12))
     assert [r.tokens.tolist() for r in out] == [r.tokens.tolist() for r in ref]
-    assert sorted(calls) == ["_room"] * 2 + ["observe"] * 2 + ["plan"] * 2, calls   # 2 of 15 steps; then quiet
+    # 2 of 15 steps, then quiet (whether those 2 plan or hold depends on `_room`, on the measured costs)
+    assert calls.count("_room") == calls.count("observe") == 2 and calls.count("plan") <= 2, calls
 
 
 def test_the_engine_reports_each_step_to_the_budget_as_planned(tmp_path, monkeypatch):
