@@ -8,7 +8,8 @@ still rotating), for batch sizes where one round is a batch or two. Reported per
 textured shapes backgrounds) and overall: τ (tokens per target forward), step compression (vanilla
 forwards / engine forwards), wall speedup over vanilla (median and spread over batches), efficiency
 (speedup / compression), and prompt adherence from the shapes scorer. It also times the target and the drafter per forward at
-several block sizes, which decides what speculative decoding can win on this machine.
+several block sizes, which decides what speculative decoding can win on this machine. With several
+batch sizes it ends with one table and one plot by batch size (`<out>_by_batch.png`).
 """
 from __future__ import annotations
 
@@ -177,7 +178,7 @@ def run_bench(cfg: DictConfig) -> dict:
     for key, bundle in bundles.items():
         costs.update({(f"{bundle.name}_{k}" if len(bundles) > 1 else k): v for k, v in forward_costs(bundle).items()})
     trees = {n: e for n, (_, e) in engines.items() if getattr(e, "costs", None) is not None}
-    ceiling = {n: round(e.budget.ceiling(cfg.batch_size * (2 if e.sampling.use_cfg else 1)), 3) for n, e in trees.items()}
+    ceiling = {n: round(float(e.budget.ceiling(cfg.batch_size * (2 if e.sampling.use_cfg else 1))), 3) for n, e in trees.items()}
     return {"config": OmegaConf.to_container(cfg, resolve=True), "forward_costs": costs,
             "cost_model": next((e.costs.summary() for e in trees.values()), None),
             # the best speedup over vanilla any tree could give here, from the cost model and the
@@ -286,6 +287,28 @@ def plot(results: dict, path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def plot_by_batch(results: dict, path: Path) -> None:
+    """{B: {engine: summary}} -> images/s and speedup over the baseline against batch size, one line per
+    engine: where an engine wins at batch 1 and loses at the job's batch size shows at a glance."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    sizes = sorted(results)
+    fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
+    for n in results[sizes[0]]:
+        for ax, key in ((axes[0], "images_per_s"), (axes[1], "speedup")):
+            ax.plot(sizes, [results[B][n][key] for B in sizes], marker="o", label=n)
+    for ax, title in ((axes[0], "images / s"), (axes[1], "speedup over the baseline (same prompts and seeds)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(sizes, [str(B) for B in sizes])
+        ax.set_xlabel("batch size")
+        ax.set_title(title)
+    axes[1].axhline(1.0, color="k", lw=0.6)
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 @hydra.main(version_base="1.3", config_path="../conf", config_name="bench")
 @one_line_errors
 def main(cfg: DictConfig) -> None:
@@ -307,7 +330,10 @@ def main(cfg: DictConfig) -> None:
         print(table(report["results"]))
         log.info(f"[bench] wrote {path} and {path.with_suffix('.png')}")
     if len(sizes) > 1:
-        print("\n## by batch size (all prompts)\n" + by_batch_size({B: r["results"]["all"] for B, r in reports.items()}))
+        by_batch = {B: r["results"]["all"] for B, r in reports.items()}
+        print("\n## by batch size (all prompts)\n" + by_batch_size(by_batch))
+        plot_by_batch(by_batch, out.with_name(f"{out.stem}_by_batch.png"))
+        log.info(f"[bench] wrote {out.with_name(f'{out.stem}_by_batch.png')}")
 
 
 def by_batch_size(results: dict) -> str:
