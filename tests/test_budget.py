@@ -13,7 +13,7 @@ import torch
 from decoding.bundle import Conditions
 from decoding.engines import build_engine, engine_config
 from decoding.engines.base import Request
-from decoding.engines.budget import CONFIDENT, FLOOR_EVERY, PROBE_MAX, PROBE_MIN, PROBE_SHARE, Budget, bucket
+from decoding.engines.budget import CONFIDENT, FLOOR_EVERY, MARGIN, PROBE_MAX, PROBE_MIN, PROBE_SHARE, Budget, bucket
 from decoding.engines.tree import TreeEngine
 from decoding.engines.cost import CostTable, measure
 from tests.conftest import labels, tiny_bundle
@@ -482,6 +482,24 @@ def test_a_new_prompt_restarts_the_back_off_only_where_speculation_has_paid():
     again.measured[2].wait = PROBE_MAX
     again.admit(2)
     assert again.measured[2].wait == PROBE_MIN
+
+
+def test_an_unmeasured_tree_needs_the_models_word_by_the_margin_a_measured_one_needs():
+    """Rule 2: a bucket never measured at this R is tried only where the model expects it to beat a
+    plain step by MARGIN, as a measured one must. The model's acceptance comes from the steps that
+    speculated and leans optimistic: at batch 16 on a CPU it tried buckets it put at 1.01-1.07x plain,
+    each measured 0.62-0.75x."""
+    def budget(ratio):
+        b = Budget(table(lambda R, T: 10.0, drafter=lambda R, T: 0.0), max_nodes=1, width=1)
+        for _ in range(2):
+            b.observe(2, 0, step_ms=10.0, forward_ms=10.0)           # the floor: plain steps, no overhead
+        g = b.goodput(2)
+        g.overhead["spec"], g.samples["spec"] = 1.8 / (0.1 * ratio) - 10.0, 1   # v_1 = 0.8: 1.8 tokens
+        rates = b.model_rates(2, 1)
+        assert rates[1] / rates[0] == pytest.approx(ratio)
+        return b
+    assert budget(1.05).model_plan(2, 1) == 1 and budget(1.05).plan(2, 1) == 0
+    assert budget(1.05 * MARGIN).plan(2, 1) == 1
 
 
 def test_measurement_overrules_a_pessimistic_model_too():
