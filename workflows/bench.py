@@ -332,8 +332,9 @@ def main(cfg: DictConfig) -> None:
     if len(sizes) > 1:
         by_batch = {B: r["results"]["all"] for B, r in reports.items()}
         print("\n## by batch size (all prompts)\n" + by_batch_size(by_batch))
-        plot_by_batch(by_batch, out.with_name(f"{out.stem}_by_batch.png"))
-        log.info(f"[bench] wrote {out.with_name(f'{out.stem}_by_batch.png')}")
+        figure = out.with_name(f"{out.stem}_by_batch.png")
+        plot_by_batch(by_batch, figure)
+        log.info(f"[bench] wrote {figure}")
 
 
 def by_batch_size(results: dict) -> str:
