@@ -268,10 +268,16 @@ def adherence_cell(r: dict) -> str:
     return f"{r['adherence']} / {r['attributes']}" + (f" ({d[0]:+.3f} ± {d[1]:.3f})" if d else "")
 
 
-def plot(results: dict, path: Path) -> None:
+def _pyplot():
+    """matplotlib's pyplot on the file-only backend (a bench may run with no display)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    return plt
+
+
+def plot(results: dict, path: Path) -> None:
+    plt = _pyplot()
     splits = [s for s in ("flat", "textured", "all") if s in results]
     names = list(results[splits[0]])
     fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
@@ -290,9 +296,7 @@ def plot(results: dict, path: Path) -> None:
 def plot_by_batch(results: dict, path: Path) -> None:
     """{B: {engine: summary}} -> images/s and speedup over the baseline against batch size, one line per
     engine: where an engine wins at batch 1 and loses at the job's batch size shows at a glance."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = _pyplot()
     sizes = sorted(results)
     fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
     for n in results[sizes[0]]:
