@@ -450,6 +450,26 @@ def test_drafter_stage_trains_one_for_a_c2i_target(c2i_files, tmp_path):
     assert len(picked) == 6 and set(picked) <= {"a red cat", "a dog"}
 
 
+def test_drafter_agreement_reports_what_an_ideal_drafter_would_reach(monkeypatch):
+    """Beside the drafter's own agreement, the stage reports the ideal drafter's (the target's own top
+    token): a random drafter falls short of it, and one that predicts the target's features exactly
+    reaches it, with every top token right."""
+    from decoding.sampling import SamplingParams
+    from tests.conftest import tiny_bundle
+    from workflows.training import drafter as stage
+    b = tiny_bundle(vocab=8, grid=4, seed=3)
+    b.conditions = lambda ids: Conditions(torch.tensor(ids), None, [])        # class ids, as c2i bundles take
+    d = stage.distillation_data(b, [0, 1, 2, 1], seed=0, cfg_scale=2.0, batch=4)
+    sampling, L = SamplingParams(cfg_scale=2.0), b.gpt.args.cls_token_num
+    random = stage.agreement(b.drafter, b.gpt, d, L, sampling, 2)
+    assert 0 < random["target_p_of_draft_top1"] < random["target_p_of_target_top1"] <= 1, random
+    exact = lambda drafter, d, idx, L, *a, **k: (d["feat"][idx, L:].float(),) * 2   # noqa: E731
+    monkeypatch.setattr(stage, "drafter_forward", exact)
+    ideal = stage.agreement(b.drafter, b.gpt, d, L, sampling, 2)
+    assert ideal["top1"] == 1.0 and ideal["target_p_of_draft_top1"] == pytest.approx(ideal["target_p_of_target_top1"])
+    assert ideal["target_p_of_target_top1"] == pytest.approx(random["target_p_of_target_top1"])
+
+
 # -- the job, with class ids --------------------------------------------------------------------------------
 def test_job_generates_imagenet_classes_with_a_llamagen_checkpoint(ray_cluster, c2i_files, tmp_path):
     import pyarrow.parquet as pq
