@@ -98,9 +98,7 @@ def agreement(drafter, gpt, d: dict, L: int, sampling: SamplingParams, k: int, c
     """Teacher-forced agreement with the target on held-out sequences (CFG-combined next-token argmax).
     target_p_of_draft_top1 is the chance the target draws the drafter's top token (a one-node tree's
     acceptance); target_p_of_target_top1 is that chance for an ideal drafter (the target's own top
-    token), the most any drafter could reach. The shipped shapes drafter: 0.593 of 0.691; twice the
-    data, ten times the cross-entropy weight or the target's layer 2 and 5 states as extra inputs gave
-    0.596-0.604, a second layer 0.620 (docs/measurements.md)."""
+    token), the most any drafter could reach (the shipped shapes drafter's: docs/measurements.md)."""
     n = len(d["tokens"]) // 2                              # rows [cond; uncond] of n images
     hits = {"top1": [], f"top{k}": [], "target_p_of_draft_top1": [], "target_p_of_target_top1": []}
     for i in range(0, n, chunk):
@@ -110,8 +108,9 @@ def agreement(drafter, gpt, d: dict, L: int, sampling: SamplingParams, k: int, c
         target_top = p.argmax(-1)
         hits["top1"].append((q.argmax(-1) == target_top).float().flatten())
         hits[f"top{k}"].append((q.topk(k, -1).indices == target_top[..., None]).any(-1).float().flatten())
-        hits["target_p_of_draft_top1"].append(p.softmax(-1).gather(-1, q.argmax(-1, keepdim=True)).flatten())
-        hits["target_p_of_target_top1"].append(p.softmax(-1).amax(-1).flatten())
+        pt = p.softmax(-1)
+        hits["target_p_of_draft_top1"].append(pt.gather(-1, q.argmax(-1, keepdim=True)).flatten())
+        hits["target_p_of_target_top1"].append(pt.amax(-1).flatten())
     return {name: torch.cat(v).mean().item() for name, v in hits.items()}
 
 
