@@ -670,6 +670,29 @@ def test_plain_steps_teach_no_acceptance():
     assert (b.value == before).all() and b.model_plan(2, 1) == 0
 
 
+def test_a_step_teaches_the_acceptance_of_each_rank_by_draft_score():
+    """TreeEngine._by_rank: v_k is the acceptance of each row's k-th best node by draft score, wherever
+    the node stands in the block; finished rows and padding teach nothing; `predicted` is the Σ of the
+    verified nodes' path probabilities over the busy rows (what the calibration divides by)."""
+    from decoding.engines.verify import Tree, Verdict
+    ln = np.log
+    # path probabilities: row 0 a 0.6, b 0.25 (a's sibling), c 0.3 (under a); row 1 d 0.2, padding; row 2 done
+    tree = Tree(tok=torch.tensor([[0, 1, 2, 3], [0, 4, 0, 0], [0, 5, 6, 0]]),
+                parent=torch.tensor([[-1, 0, 0, 1], [-1, 0, -1, -1], [-1, 0, 1, -1]]),
+                depth=torch.tensor([[0, 1, 1, 2], [0, 1, 0, 0], [0, 1, 2, 0]]),
+                q=torch.zeros(3, 4),
+                score=torch.tensor([[0.0, ln(0.6), ln(0.25), ln(0.3)], [0.0, ln(0.2), 0.0, 0.0],
+                                    [0.0, ln(0.9), ln(0.8), 0.0]]).float())
+    on_path = torch.tensor([[False, True, False, True], [False, False, False, False], [False, True, True, False]])
+    v = Verdict(on_path, on_path.sum(1), torch.zeros(3, dtype=torch.long), torch.zeros(3, dtype=torch.long),
+                torch.zeros(3, 4), torch.zeros(3))
+    hit, predicted, per_row = TreeEngine._by_rank(tree, v, torch.tensor([True, True, False]))
+    # rank 1: a (accepted), d (not); rank 2: c (accepted), padding; rank 3: b (not), padding
+    assert hit.tolist() == pytest.approx([0.5, 0.5, 0.0])
+    assert predicted == pytest.approx(0.6 + 0.25 + 0.3 + 0.2, abs=1e-6)
+    assert per_row[:2].tolist() == pytest.approx([1.15, 0.2], abs=1e-6)
+
+
 def aten_ops(fn) -> dict:
     """{aten op: calls} of fn() (counts, not times: deterministic)."""
     from collections import Counter

@@ -9,6 +9,13 @@ top-k and top-p all on, for class- and caption-conditioned models (padded captio
 
 This catches, among others: verification that drops the temperature or top-p, K/V compaction
 skipped, a wrong RoPE position for tree nodes, a wrong tree mask.
+
+The drafter gets the same check. Tokens cannot show a drafter bug (they are the target's draws), so
+every drafted node's q (its token's draft probability at its parent) must equal a cache-free drafter
+forward over the EAGLE pairs (f_p, e_{p+1}) of the prefix and committed tokens, continued along the
+node's path with the drafter's own predicted features; with plain steps between speculative ones too,
+so the catch-up feeds the drafter what it missed. This catches a drafter K/V commit skipped, a feature
+or token of a pair off by one, a deeper level drafted from the wrong feature or at the wrong position.
 """
 from __future__ import annotations
 
@@ -17,8 +24,10 @@ import torch
 
 from decoding.bundle import Conditions
 from decoding.engines import build_engine, engine_config
+from decoding.models.gpt import causal_mask
 from decoding.sampling import SamplingParams, cfg_combine, filtered_probs
 from tests.conftest import labels, tiny_bundle
+from tests.test_budget import alternate
 
 SAMPLING = dict(cfg_scale=2.0, temperature=0.8, top_k=5, top_p=0.9)
 ENGINES = {
@@ -133,3 +142,72 @@ def _accepted_off_first_lane(calls, results, L, B):
                 path = path[::-1]
                 if committed[n: n + len(path)] == path and results[b].records["accepted"][n: n + len(path)].all():
                     yield True
+
+
+@torch.no_grad()
+def drafter_oracle(bundle, cond: Conditions, b: int, committed: list[int], path: list[int],
+                   sp: SamplingParams) -> torch.Tensor:
+    """[V]: the drafter's filtered distribution of the token after committed + path for prompt b,
+    cache-free. Slot s < L + n - 1 pairs the target's feature at position s with the embedding of the
+    input at s + 1 (a condition position, then token s + 1 - L); each path token x_j is paired with the
+    drafter's own prediction at the slot before it (EAGLE's drafting). RoPE position = slot + 1."""
+    gpt, drafter, L = bundle.gpt, bundle.drafter, bundle.gpt.args.cls_token_num
+    feats, mask = cond.features[[b, b]], None if cond.mask is None else cond.mask[[b, b]]
+    cond_emb = gpt.embed_condition(feats, torch.tensor([False, True]))
+    tokens = torch.tensor([committed, committed])
+    _, f = gpt.forward_train(cond_emb, tokens, cond_mask=mask)        # [2, L + n - 1, dim]: positions 0..L+n-2
+    emb = torch.cat([cond_emb[:, 1:], gpt.embed_tokens(tokens)], 1)
+    h = None
+    for x in [None] + path:
+        if x is not None:                                            # one more pair: (own prediction, x)
+            emb = torch.cat([emb, gpt.embed_tokens(torch.tensor([[x], [x]]))], 1)
+            f = torch.cat([f, h[:, None]], 1)
+        T = f.shape[1]
+        out = drafter(emb, f, torch.arange(1, T + 1).expand(2, T), causal_mask(T, mask, f.device))
+        h = out[:, -1]
+    return filtered_probs(cfg_combine(gpt.logits(h[:, None]), sp), sp)[0, 0]
+
+
+def record_drafts(engine) -> list:
+    """Wrap the engine's tree construction: keep (tok, parent, q, P) of every verified tree."""
+    calls, verify_forward = [], engine._verify_forward
+
+    def spy(target, tree, P):
+        calls.append((tree.tok.clone(), tree.parent.clone(), tree.q.clone(), P.clone()))
+        return verify_forward(target, tree, P)
+    engine._verify_forward = spy
+    return calls
+
+
+@pytest.mark.parametrize("pattern", [[12], [0, 0, 12]])
+@pytest.mark.parametrize("model_type", ["c2i", "t2i"])
+def test_every_drafted_probability_matches_a_cache_free_drafter(model_type, pattern):
+    bundle = tiny_bundle(vocab=8, grid=4, seed=1, std=0.3, model_type=model_type)
+    engine = build_engine(bundle, engine_config("eagle2", sampling=SAMPLING, **ENGINES["eagle2"]))
+    alternate(engine, pattern)
+    calls = record_drafts(engine)
+    cond = conditions(bundle, model_type)
+    results = engine.generate(cond, list(range(100, 100 + B)))
+    final = [r.tokens.tolist() for r in results]
+    L, N, sp = engine.L, engine.N, engine.sampling
+    worst, checked, deep = 0.0, 0, 0
+    for tok, parent, q, P in calls:
+        for b in range(B):
+            n = int(P[b]) - L + 1
+            if not 1 <= n < N:
+                continue
+            want = {}
+            for j in range(1, tok.shape[1]):
+                if parent[b, j] < 0:
+                    continue                                         # padding
+                path, k = [], int(parent[b, j])
+                while k > 0:
+                    path.append(int(tok[b, k]))
+                    k = int(parent[b, k])
+                key = tuple(path[::-1])
+                if key not in want:
+                    want[key] = drafter_oracle(bundle, cond, b, final[b][:n], list(key), sp)
+                worst = max(worst, abs(float(q[b, j]) - float(want[key][tok[b, j]])))
+                checked, deep = checked + 1, deep + (len(key) > 0)
+    assert worst < 1e-4, f"a drafted probability differs from the cache-free drafter by {worst:.3g}"
+    assert checked > 100 and deep > 50, (checked, deep)                # many nodes, many below level 1
