@@ -460,6 +460,21 @@ def test_where_speculation_has_paid_a_failed_probe_only_doubles_the_wait():
     assert next(i for i, K in enumerate(plans) if K > 0) <= 2 * grown[-1]
 
 
+def test_only_a_step_that_beats_plain_by_the_margin_restarts_the_back_off():
+    """A speculative step that is no probe restarts the probes' back-off only when it beat the plain
+    rate by MARGIN: one step's time is noisy, and a step at 1.05x plain is no evidence that speculation
+    pays."""
+    b = optimistic()
+    for _ in range(5):
+        b.observe(2, 0, step_ms=10.0, forward_ms=10.0)              # plain: 0.1 token / row / ms
+    g = b.goodput(2)
+    g.wait, g.probing = 64, False
+    b.observe(2, 4, step_ms=10.0, forward_ms=10.0, tokens_per_row=(1 + MARGIN) / 2)   # beats plain, not by MARGIN
+    assert g.wait == 64
+    b.observe(2, 4, step_ms=10.0, forward_ms=10.0, tokens_per_row=1.01 * MARGIN)
+    assert g.wait == PROBE_MIN
+
+
 def test_a_new_prompt_restarts_the_back_off_only_where_speculation_has_paid():
     """A hard stretch backs the probes off (up to PROBE_MAX); the next prompt is a new image. Where
     speculation has paid at this R, its arrival starts the back-off over, so the next easy image is

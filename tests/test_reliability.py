@@ -316,6 +316,20 @@ def test_full_disk_and_read_only_mount_fail_in_one_line_and_rerun_completes(refe
     assert_exact(keep, reference, N)
 
 
+def test_a_write_that_fails_midway_leaves_the_old_file_and_no_temporary(tmp_path):
+    """A part file fails after its first chunk (the disk filled up): the file under its name is still the
+    old one, and the half-written temporary is gone, not left to hold the space a rerun needs."""
+    path = tmp_path / "part.parquet"
+    path.write_bytes(b"old")
+
+    def chunks():
+        yield b"new, first chunk"
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    with pytest.raises(output.OutDirError, match="ENOSPC"):
+        output.write_chunks_atomic(chunks(), path, "part")
+    assert path.read_bytes() == b"old" and sorted(tmp_path.iterdir()) == [path]
+
+
 def test_permission_denied_is_one_line_naming_the_path(reference, tiny_weights, tmp_path, fault):
     """(As root, permissions cannot be denied for real here: the writer's own OSError is injected.)"""
     def deny(p):

@@ -192,6 +192,22 @@ def test_alpha_counts_against_the_depth_actually_drafted():
     assert pol2.plan(2, acc) == (4, 5)
 
 
+def test_the_engine_adapts_against_the_depth_the_budget_let_it_draft(tiny, monkeypatch):
+    """In the engine, a budget of 2 nodes cuts trees the policy asks 3-8 levels deep: α's base is the
+    depth each row's tree really has (at most 2), not the depth asked."""
+    seen, update = [], AdjacencyAdaptive.update
+
+    def spy(self, d, w, accepted_drafts, active, drafted=None):
+        seen.append((d[active].clone(), drafted[active].clone()))
+        return update(self, d, w, accepted_drafts, active, drafted)
+    monkeypatch.setattr(AdjacencyAdaptive, "update", spy)
+    engine = build_engine(tiny, engine_config("adt_tree", total_tokens=2, depth=3, width=2, d_min=1, d_max=8,
+                                              w_min=1, w_max=3, budget="fixed"))
+    engine.generate(labels(8), list(range(8)))
+    asked, drafted = torch.cat([a for a, _ in seen]), torch.cat([b for _, b in seen])
+    assert asked.max() > 2 and 1 <= drafted.min() and drafted.max() <= 2, (asked, drafted)
+
+
 def test_2d_adjacency_reads_the_row_above():
     acc = np.zeros(16, bool)
     acc[0:4] = True                               # row 0 was all accepted
