@@ -7,7 +7,9 @@ part name, so that a retry replaces rather than duplicates. Each actor loads the
 two batches in flight, decoded together by continuous batching (generator.py). A killed actor is
 restarted by Ray and its in-flight batches retried (max_restarts /
 max_task_retries); a batch that keeps killing its actor is written as error rows after
-`max_actor_restarts + 1` attempts, and the job goes on. A lost node's actors are dropped from the
+`max_actor_restarts + 1` attempts, and the job goes on. An actor's death fails every batch it held, so
+a batch that died beside another one is not charged: it is retried alone on an actor (`solo`), and
+only deaths alone count as its attempts (else the batch beside a poisoned one became error rows too). A lost node's actors are dropped from the
 pool and their batches go to the others without counting as attempts (Ray would restart them only
 where there is room, and may wait forever). An OutDirError (disk full, read-only, permission) stops
 the job at once: no retry can fix it. A `stop` (SIGTERM, workflows/lock.py) ends the queue; in-flight
@@ -128,16 +130,24 @@ def run_batches(cfg, out_dir: Path, batches, progress, placements: list, stop=No
         raise _start_error(e) from None
     batches = iter(batches)
     queue, attempts, inflight, lost = deque(), {}, {}, set()   # queue: retried or peeked batches, first
+    solo, shared = set(), set()       # parts to run alone on an actor; in-flight refs that had company
     nodes = NodeWatch()
     for a in range(n):
         nodes.track(a, actors[a])
 
     def submit(a: int) -> None:
-        if actors[a] is None or stop:
-            return
-        items = queue.popleft() if queue else next(batches, None)
-        if items is not None:
-            inflight[actors[a].run.remote(part_name(items), items)] = (a, items, actors[a])
+        """Fill actor a's slots (IN_FLIGHT_PER_ACTOR) from the queue; a `solo` batch runs alone."""
+        while actors[a] is not None and not stop:
+            mine = [ref for ref, (_, items, actor) in inflight.items() if actor is actors[a]]
+            if len(mine) >= IN_FLIGHT_PER_ACTOR or any(part_name(inflight[r][1]) in solo for r in mine):
+                return
+            if not more() or (mine and part_name(queue[0]) in solo):
+                return                        # (a solo batch waits for this actor to drain)
+            items = queue.popleft()
+            ref = actors[a].run.remote(part_name(items), items)
+            inflight[ref] = (a, items, actors[a])
+            if mine:
+                shared.update([ref, *mine])
 
     def more() -> bool:   # batches left to submit (peeks the iterator into `queue`)
         if queue:
@@ -149,8 +159,7 @@ def run_batches(cfg, out_dir: Path, batches, progress, placements: list, stop=No
         return True
 
     for a in range(n):
-        for _ in range(IN_FLIGHT_PER_ACTOR):
-            submit(a)
+        submit(a)
     while inflight or (not stop and more()):
         if not inflight:   # every actor was lost with its node: start new ones where Ray finds room
             for a in range(n):
@@ -169,7 +178,8 @@ def run_batches(cfg, out_dir: Path, batches, progress, placements: list, stop=No
         if not ready:
             continue
         a, items, actor = inflight.pop(ready[0])
-        part = part_name(items)
+        part, had_company = part_name(items), ready[0] in shared
+        shared.discard(ready[0])
         try:
             res = ray.get(ready[0])
         except (RayActorError, RayTaskError) as e:
@@ -179,19 +189,26 @@ def run_batches(cfg, out_dir: Path, batches, progress, placements: list, stop=No
                 queue.appendleft(items)
                 submit(next((b for b in range(n) if actors[b] is not None), a))
                 continue
-            attempts[part] = attempts.get(part, 0) + 1
             reason = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300]}"
-            log.warning(f"batch {part} failed (attempt {attempts[part]}): {reason}")
             if isinstance(e, RayActorError) and actors[a] is actor:  # restarts used up: replace it
                 ray.kill(actor, no_restart=True)
                 actors[a] = spawn(a)
                 nodes.track(a, actors[a])
+            if isinstance(e, RayActorError) and had_company:   # which batch killed it is unknown
+                log.warning(f"batch {part} failed beside another batch on its actor ({reason}): retrying it alone")
+                solo.add(part)
+                queue.appendleft(items)
+                submit(a)
+                continue
+            attempts[part] = attempts.get(part, 0) + 1
+            log.warning(f"batch {part} failed (attempt {attempts[part]}): {reason}")
             if attempts[part] <= c.max_actor_restarts:
                 queue.appendleft(items)
                 submit(a)
                 continue
             res = _error_part(out_dir, part, items, cfg.engine.name, reason)
         attempts.pop(part, None)
+        solo.discard(part)
         _record(out_dir, res)
         progress.update(res)
         submit(a)

@@ -120,6 +120,31 @@ def test_killed_actor_is_replaced_and_its_batch_retried(ray_cluster, tiny_weight
     assert len({p for p in df.part}) == 20
 
 
+def test_a_batch_that_keeps_killing_its_actor_becomes_error_rows_and_the_job_goes_on(
+        ray_cluster, tiny_weights, tmp_path, monkeypatch):
+    """A batch whose every attempt kills the process running it (here: os._exit) is tried
+    max_actor_restarts + 1 times, then committed as error rows naming the cause; every other batch is
+    generated, and the job ends."""
+    import cloudpickle
+
+    import actors.pool
+    import tests.poison
+    cloudpickle.register_pickle_by_value(tests.poison)
+    monkeypatch.setattr(actors.pool, "Generator", tests.poison.PoisonedGenerator)
+    data = tmp_path / "p.parquet"
+    ids = ["a", "b", "poison", "c", "d", "e"]
+    pq.write_table(pa.Table.from_pylist([{"id": i, "prompt": "a red circle"} for i in ids]), data)
+    try:
+        s = job(*base(tiny_weights, tmp_path / "run", "data=file", f"data.path={data}", "data.id_column=id",
+                      "cluster.batch_size=2", "cluster.num_actors=2", "cluster.max_actor_restarts=1"))
+    finally:
+        cloudpickle.unregister_pickle_by_value(tests.poison)
+    assert (s["images"], s["errors"]) == (4, 2)
+    err = pq.read_table(tmp_path / "run" / "errors").to_pandas().set_index("prompt_id")
+    assert set(err.index) == {"poison", "c"} and err.error.str.contains("ActorDiedError|RayActorError").all()
+    assert set(images(tmp_path / "run").prompt_id) == {"a", "b", "d", "e"}
+
+
 def _cli(*args, timeout=300):
     return subprocess.run([sys.executable, "-m", "workflows.generate", *args], capture_output=True, text=True,
                           timeout=timeout, cwd=REPO, env={**os.environ, "HYDRA_FULL_ERROR": "0"})

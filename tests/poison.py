@@ -1,0 +1,15 @@
+"""A generator actor that dies, as a segfault or an OOM kill would end it, whenever its batch holds the
+prompt id "poison" (tests/test_job.py). Shipped to Ray's workers by value (cloudpickle), since they do
+not import the tests package."""
+from __future__ import annotations
+
+import os
+
+from actors.generator import Generator
+
+
+class PoisonedGenerator(Generator):
+    def run(self, part, items):
+        if any(it["prompt_id"] == "poison" for it in items):
+            os._exit(1)
+        return super().run(part, items)
