@@ -153,6 +153,13 @@ def test_step_histogram_and_acceptance_by_depth(runs):
     assert [r["rate"] for r in rates] == [2 / 3, 1 / 2, 0.0]
 
 
+def test_a_tree_that_ends_at_depth_k_does_not_reach_depth_k_plus_one():
+    # a depth-2 tree whose 2 drafts were accepted could not have accepted a third: at k=3 only the
+    # depth-3 trees that accepted 2 count as reached (2 of them), and one accepted a third
+    rates = Q.depth_acceptance({(2, 2): 1, (2, 3): 1, (3, 3): 1})
+    assert [(r["depth"], r["reached"], r["accepted"]) for r in rates] == [(1, 3, 3), (2, 3, 3), (3, 2, 1)]
+
+
 def test_acceptance_by_depth_without_trees():
     # Jacobi-style steps (no tree depth logged): k=1 reached by all 4 steps, 3 accept one or more; k=2
     # reached by those 3, 2 accept two or more; k=3 by those 2, 1 accepts three or more; k=4 reached by 1, none.
