@@ -11,7 +11,7 @@ from scipy.stats import chisquare
 
 from decoding import BYTES_VERSION
 from decoding.engines import build_engine, engine_config
-from decoding.sampling import NEUTRAL, SamplingParams, Streams, prompt_seed, sample
+from decoding.sampling import NEUTRAL, SamplingParams, Streams, cfg_combine, filtered_probs, prompt_seed, sample
 from tests.conftest import labels, tiny_bundle
 
 
@@ -52,6 +52,29 @@ def test_sample_follows_the_distribution_and_never_picks_zero_mass():
     assert chisquare(counts[[1, 3, 4]], np.array([0.5, 0.2, 0.3]) * 30000).pvalue > 1e-3
     edge = sample(p.expand(3, -1), torch.tensor([0.0, 1 - 2**-24, 0.9999999]))
     assert edge.tolist() == [1, 4, 4]                            # never the zero-mass tail
+
+
+def test_guidance_temperature_top_k_and_top_p_by_hand():
+    """The distribution every engine samples from and verifies against, on numbers worked by hand (the
+    engines' own tests compare engines with each other, so they share any error made here)."""
+    p = SamplingParams(cfg_scale=2.0, temperature=1.0, top_k=3, top_p=0.9)
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0], [1.0, 1.0, 1.0, 1.0]])         # rows [cond; uncond]
+    combined = cfg_combine(logits, p)
+    assert combined.tolist() == [[3.0, 1.0, -1.0, -3.0]]                         # uncond + 2 (cond - uncond)
+    # top-k 3 drops -3; of softmax(3, 1, -1) = 0.867, 0.117, 0.016 top-p 0.9 keeps the first two (the
+    # second crosses 0.9) and drops the third
+    e = np.exp([3.0, 1.0])
+    assert filtered_probs(combined, p)[0].tolist() == pytest.approx([*(e / e.sum()), 0.0, 0.0], abs=1e-6)
+    # temperature 2 flattens before the filters: softmax(1.5, 0.5, -0.5) = 0.665, 0.245, 0.090; top-p 0.95
+    # keeps all three (0.910 before the third)
+    hot = SamplingParams(cfg_scale=2.0, temperature=2.0, top_k=3, top_p=0.95)
+    e = np.exp([1.5, 0.5, -0.5])
+    assert filtered_probs(combined, hot)[0].tolist() == pytest.approx([*(e / e.sum()), 0.0], abs=1e-6)
+    e = np.exp([3.0, 1.0])                                                         # top-k 2 alone
+    assert filtered_probs(combined, SamplingParams(cfg_scale=2.0, temperature=1.0, top_k=2, top_p=1.0))[0].tolist() \
+        == pytest.approx([*(e / e.sum()), 0.0, 0.0], abs=1e-6)
+    assert filtered_probs(combined, SamplingParams(cfg_scale=2.0, temperature=0.0, top_k=0, top_p=1.0))[0].tolist() \
+        == [1.0, 0.0, 0.0, 0.0]                                                  # greedy
 
 
 def test_settings_take_the_model_family_defaults_and_refuse_unknown_keys():
