@@ -9,9 +9,9 @@ restarted by Ray and its in-flight batches retried (max_restarts /
 max_task_retries); a batch that keeps killing its actor is written as error rows after
 `max_actor_restarts + 1` attempts, and the job goes on. An actor's death fails every batch it held, so
 a batch that died beside another one is not charged: it is retried alone on an actor (`solo`), and
-only deaths alone count as its attempts (else the batch beside a poisoned one became error rows too). A lost node's actors are dropped from the
-pool and their batches go to the others without counting as attempts (Ray would restart them only
-where there is room, and may wait forever). An OutDirError (disk full, read-only, permission) stops
+only deaths alone count as its attempts (else the batch beside a poisoned one became error rows too).
+A lost node's actors are dropped from the pool and their batches go to the others without counting as
+attempts (Ray would restart them only where there is room, and may wait forever). An OutDirError (disk full, read-only, permission) stops
 the job at once: no retry can fix it. A `stop` (SIGTERM, workflows/lock.py) ends the queue; in-flight
 batches may finish until its deadline, then the actors are killed (their parts stay uncommitted).
 """

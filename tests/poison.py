@@ -1,6 +1,6 @@
 """A generator actor that dies, as a segfault or an OOM kill would end it, whenever its batch holds the
-prompt id "poison" (tests/test_job.py). Shipped to Ray's workers by value (cloudpickle), since they do
-not import the tests package."""
+prompt id "poison" (tests/test_job.py). Shipped to Ray's workers by value (ray.cloudpickle), so that they
+need not import the tests package."""
 from __future__ import annotations
 
 import os

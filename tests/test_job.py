@@ -125,7 +125,7 @@ def test_a_batch_that_keeps_killing_its_actor_becomes_error_rows_and_the_job_goe
     """A batch whose every attempt kills the process running it (here: os._exit) is tried
     max_actor_restarts + 1 times, then committed as error rows naming the cause; every other batch is
     generated, and the job ends."""
-    import cloudpickle
+    from ray import cloudpickle                      # Ray's own copy, which pickles its actor classes
 
     import actors.pool
     import tests.poison
