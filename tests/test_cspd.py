@@ -169,6 +169,23 @@ def test_mar_schedule_is_mars():
     assert all(s == 3.0 for _, s in mar_schedule(16, 4, 3.0, "constant"))
 
 
+def test_each_token_gets_its_positions_noise_and_its_steps_guidance(pair):
+    """A token's diffusion noise is keyed by its position in the image, not by its place in the step that
+    reveals it (tokens revealed by different steps would share noise, and draft and target trajectories
+    are aligned by position); its guidance scale is the one of the step that reveals it (the linear
+    schedule grows with the steps)."""
+    from decoding.sampling import Streams
+    engine = build_engine(bundle(pair[0], None), engine_config("mar", num_iter=4, cfg_schedule="linear"))
+    streams = Streams([7], "cpu")
+    x_one, eps_one = engine.noise(streams, torch.tensor([[5]]), 10)
+    x_two, eps_two = engine.noise(streams, torch.tensor([[3, 5]]), 10)
+    assert torch.equal(x_two[:, 1], x_one[:, 0]) and torch.equal(eps_two[:, 1], eps_one[:, 0])
+    assert not torch.equal(x_two[:, 0], x_two[:, 1])
+    plan = engine.plan
+    want = [plan[1][1]] * plan[1][0] + [plan[3][1]] * plan[3][0]
+    assert engine.scales([1, 3], 2).tolist() == [want, want] and plan[1][1] < plan[3][1]
+
+
 def test_cspd_with_draft_equal_to_target_accepts_everything_and_is_mar(pair):
     target, _ = pair
     b = bundle(target, target)
