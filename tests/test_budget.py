@@ -152,6 +152,30 @@ def test_continuous_batching_gives_every_prompt_its_own_image():
             assert all(o.result.wall_s > 0 for o in outs)
 
 
+def test_a_reused_row_logs_nothing_of_the_image_before():
+    """A row that takes the next prompt starts an empty token log: a plain step writes only some columns
+    (no draft, no acceptance, no tree), and what the row's last image left there must not show. Checked
+    per step: its tokens accept all but the last, share the step's budget, and a plain step (budget 0)
+    accepts none and drafted nothing."""
+    bundle = tiny_bundle(vocab=8, grid=4, seed=1, std=0.3)
+    engine = build_engine(bundle, engine_config("eagle2", sampling=SAMPLING, **dict(TREES["eagle2"], budget="fixed")))
+    alternate(engine, [0, 0, 8])                                   # 8: the tree's total_tokens
+    outs = list(engine.stream((Request(c, 70 + i, key=i) for i, c in enumerate(labels(12).split())), slots=3))
+    blocks = 0
+    for o in outs:
+        r = o.result.records
+        for s in np.unique(r["step"]):
+            at = r["step"] == s
+            assert r["accepted"][at].sum() == r["accept_len"][at][0] - 1 == at.sum() - 1, (o.key, s)
+            assert len(set(r["budget"][at])) == 1 and len(set(r["tree_depth"][at])) == 1, (o.key, s)
+            if r["budget"][at][0] == 0:
+                assert not r["accepted"][at].any() and np.isnan(r["q_draft"][at]).all(), (o.key, s)
+            blocks += 1
+    assert not any(o.error for o in outs) and blocks > 12 * 8
+    budgets = {int(b) for o in outs for b in o.result.records["budget"]}
+    assert {0, 8} <= budgets <= set(range(9))                        # (fewer nodes near an image's end)
+
+
 @pytest.mark.parametrize("name", ["vanilla", "eagle2", "adt_tree"])
 def test_a_row_that_is_done_does_not_widen_attention(name):
     """Attention reads every row up to the largest slot a forward writes (base.visible). A row whose image
