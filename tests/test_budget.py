@@ -30,6 +30,8 @@ def test_cost_table_interpolates_and_extrapolates():
     c = table(lambda R, T: R + 10 * T)
     assert c.target(4, 1) == pytest.approx(14) and c.target(6, 3) == pytest.approx(36)
     assert c.target(64, 64) == pytest.approx(64 + 640)                 # linear past the grid
+    q = table(lambda R, T: R + T * T)                                # past the grid: the last segment's slope
+    assert q.target(8, 64) == pytest.approx(8 + 32 * 32 + (64 - 32) * (32 * 32 - 16 * 16) / (32 - 16))
 
 
 def test_speculate_where_verifying_is_cheap_and_not_where_it_is_compute_bound():
