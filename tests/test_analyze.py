@@ -233,6 +233,20 @@ def test_image_tokens_and_ids(runs):
     assert set(Q.image_bytes(t["spec"], ["b", "zz"])) == {"b"}
 
 
+def test_a_probability_of_one_falls_in_the_top_bin(tmp_path):
+    """q = 1 (a point-mass draft: a copied neighbour, a greedy target) and p = 1 go to the last of the
+    ten calibration bins, not an eleventh."""
+    n = 3
+    cols = {"prompt_id": ["a"] * n, "token_index": list(range(n)), "row": [0] * n, "col": list(range(n)),
+            "token_id": [1] * n, "step": [0, 1, 1], "accepted": [False, True, False], "accept_len": [1, 2, 2],
+            "p_target": [1.0, 1.0, 0.95], "q_draft": [NAN, 1.0, NAN], "tree_depth": [0] * n, "tree_width": [0] * n,
+            "engine": ["sjd"] * n}
+    pq.write_table(pa.Table.from_pydict(cols, schema=pa.schema(_schema(Q.COMMON))), tmp_path / "t.parquet")
+    t = Q.Tables(Q.connect("1GB"), "unused", Q.parquet(str(tmp_path / "t.parquet")))
+    assert [r["bin"] for r in Q.calibration_draft(t)] == [9]
+    assert [(r["bin"], r["tokens"]) for r in Q.calibration_target(t)] == [(9, 3)]
+
+
 def test_profile_of_family_columns(tmp_path):
     """Columns beyond the common ones (a continuous family's window position and log acceptance ratio)
     are found and profiled against acceptance; token_id may be null."""
