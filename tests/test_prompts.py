@@ -40,6 +40,15 @@ def test_formats(tmp_path, fmt):
         assert [r["prompt_id"] for r in rows] == ["x1", "x2"]
 
 
+def test_integer_prompts_are_class_ids_carried_as_digits(tmp_path):
+    """A class-conditional prompt set may hold integers (class ids): the job carries them as their digits,
+    the text every table's prompt column holds; booleans are not class ids."""
+    p = tmp_path / "classes.jsonl"
+    p.write_text('{"prompt": 3}\n{"prompt": 207}\n{"prompt": true}\n')
+    rows = read_prompts(DataConfig(name="file", path=str(p)))
+    assert [r["prompt"] for r in rows] == ["3", "207", True]
+
+
 def test_derived_ids_are_stable_and_unique(tmp_path):
     p = tmp_path / "p.json"
     p.write_text(json.dumps(["same", "same", "other"]))
@@ -77,6 +86,8 @@ def test_real_prompt_sets_read_as_they_are():
      "duplicate ids"),
     (lambda d: DataConfig(name="file", path=str(_text(d / "p.csv", "prompt\na\n")), id_column="key"),
      "data.id_column='key': no such column"),
+    (lambda d: DataConfig(name="file", path=str(_text(d / "p.jsonl", '{"id": "a", "prompt": "x"}\n{"prompt": "y"}\n')),
+                          id_column="id"), r"data.id_column='id': row 1 of .*p.jsonl has no such field"),
     (lambda d: DataConfig(name="nope"), "data.name='nope'"),
     (lambda d: DataConfig(limit=-1), "data.limit=-1"),
 ])
