@@ -69,6 +69,15 @@ def oracle(bundle, cond: Conditions, rows: list[int], seqs: list[list[int]], sp:
     return probs[torch.arange(len(seqs)), at]
 
 
+def path_to(tok, parent, b: int, j: int) -> list[int]:
+    """Row b's drafted tokens from the root's child down to block index j (0, the root: none)."""
+    path = []
+    while j > 0:
+        path.append(int(tok[b, j]))
+        j = int(parent[b, j])
+    return path[::-1]
+
+
 def record_verifications(engine) -> list:
     """Wrap the engine's verify forward: keep (tree, P, probs) of every step."""
     calls, forward = [], engine._verify_forward
@@ -101,12 +110,8 @@ def test_every_verified_distribution_matches_a_cache_free_forward(variant, model
             for j in range(tok.shape[1]):
                 if j and parent[b, j] < 0:
                     continue                               # padding
-                path, k = [], j
-                while k > 0:
-                    path.append(int(tok[b, k]))
-                    k = int(parent[b, k])
                 rows.append(b)
-                seqs.append(final[b][:n] + path[::-1])
+                seqs.append(final[b][:n] + path_to(tok, parent, b, j))
                 got.append(probs[b, j])
         moved += int(sum(r.records["accept_len"].max() > 1 for r in results))
     want = oracle(bundle, cond, rows, seqs, sp)
@@ -135,11 +140,7 @@ def _accepted_off_first_lane(calls, results, L, B):
             for j in range(1, tok.shape[1]):
                 if parent[b, j] < 0 or int(depth[b, j]) == j:
                     continue
-                path, k = [], j
-                while k > 0:
-                    path.append(int(tok[b, k]))
-                    k = int(parent[b, k])
-                path = path[::-1]
+                path = path_to(tok, parent, b, j)
                 if committed[n: n + len(path)] == path and results[b].records["accepted"][n: n + len(path)].all():
                     yield True
 
@@ -169,7 +170,7 @@ def drafter_oracle(bundle, cond: Conditions, b: int, committed: list[int], path:
 
 
 def record_drafts(engine) -> list:
-    """Wrap the engine's tree construction: keep (tok, parent, q, P) of every verified tree."""
+    """Wrap the engine's verify forward: keep (tok, parent, q, P) of every verified tree."""
     calls, verify_forward = [], engine._verify_forward
 
     def spy(target, tree, P):
@@ -200,11 +201,7 @@ def test_every_drafted_probability_matches_a_cache_free_drafter(model_type, patt
             for j in range(1, tok.shape[1]):
                 if parent[b, j] < 0:
                     continue                                         # padding
-                path, k = [], int(parent[b, j])
-                while k > 0:
-                    path.append(int(tok[b, k]))
-                    k = int(parent[b, k])
-                key = tuple(path[::-1])
+                key = tuple(path_to(tok, parent, b, int(parent[b, j])))
                 if key not in want:
                     want[key] = drafter_oracle(bundle, cond, b, final[b][:n], list(key), sp)
                 worst = max(worst, abs(float(q[b, j]) - float(want[key][tok[b, j]])))
