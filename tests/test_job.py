@@ -122,9 +122,9 @@ def test_killed_actor_is_replaced_and_its_batch_retried(ray_cluster, tiny_weight
 
 def test_a_batch_that_keeps_killing_its_actor_becomes_error_rows_and_the_job_goes_on(
         ray_cluster, tiny_weights, tmp_path, monkeypatch):
-    """A batch whose every attempt kills the process running it (here: os._exit) is tried
-    max_actor_restarts + 1 times, then committed as error rows naming the cause; every other batch is
-    generated, and the job ends."""
+    """A batch whose every attempt kills the process running it (here: os._exit) is committed as error
+    rows naming the actor's death once its attempts are used up; the batch that shared its actor when it
+    first died, and every other batch, are generated, and the job ends."""
     from ray import cloudpickle                      # Ray's own copy, which pickles its actor classes
 
     import actors.pool
