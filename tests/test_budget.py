@@ -113,8 +113,9 @@ def test_cost_table_measures_only_the_rows_asked_and_caches_them(tmp_path, monke
     assert len(cost.cost_table(b, rows=(4,), cache_dir=str(tmp_path)).width_ms) == 1 and asked[-1] == [4]
 
 SAMPLING = dict(cfg_scale=2.0, temperature=0.8, top_k=5, top_p=0.9)
-TREES = {"eagle2": dict(total_tokens=8, depth=3, width=3),
-         "adt_tree": dict(total_tokens=8, depth=2, width=2, d_min=1, d_max=4, w_min=1, w_max=3)}
+# chain=0: these tests are about the tree's budget; tests/test_chain.py has the chain steps
+TREES = {"eagle2": dict(total_tokens=8, depth=3, width=3, chain=0),
+         "adt_tree": dict(total_tokens=8, depth=2, width=2, d_min=1, d_max=4, w_min=1, w_max=3, chain=0)}
 
 
 def alternate(engine, pattern):
@@ -726,7 +727,7 @@ def test_a_step_teaches_the_acceptance_of_each_rank_by_draft_score():
                                     [0.0, ln(0.9), ln(0.8), 0.0]]).float())
     on_path = torch.tensor([[False, True, False, True], [False, False, False, False], [False, True, True, False]])
     v = Verdict(on_path, on_path.sum(1), torch.zeros(3, dtype=torch.long), torch.zeros(3, dtype=torch.long),
-                torch.zeros(3, 4), torch.zeros(3))
+                torch.zeros(3, 4), torch.zeros(3), torch.zeros(3, 4, dtype=torch.long))
     hit, predicted, per_row = TreeEngine._by_rank(tree, v, torch.tensor([True, True, False]))
     # rank 1: a (accepted), d (not); rank 2: c (accepted), padding; rank 3: b (not), padding
     assert hit.tolist() == pytest.approx([0.5, 0.5, 0.0])

@@ -46,6 +46,8 @@ ENGINES = {
     # LANTERN with no relaxation budget is exact: its claimed sets must reduce to the drafts themselves
     "eagle2-lantern0": dict(total_tokens=6, depth=3, width=2, acceptance="lantern", lantern_k=1, lantern_delta=0.0,
                             budget="fixed"),
+    # chain steps only: the drafter off, every step verifies the target's own draws of the step before
+    "eagle2-chain": dict(total_tokens=0, chain=3, budget="fixed"),
 }
 
 
@@ -109,7 +111,7 @@ def first_child_on_any_match(tree, probs, u, lantern=None):
     last = (on_path * torch.arange(T)).amax(1)
     bonus = x.gather(1, last[:, None])[:, 0]
     p_node = probs.flatten(1).gather(1, parent * V + tree.tok)
-    return Verdict(on_path, on_path.sum(1), last, bonus, p_node, probs.flatten(1).gather(1, (last * V + bonus)[:, None])[:, 0])
+    return Verdict(on_path, on_path.sum(1), last, bonus, p_node, probs.flatten(1).gather(1, (last * V + bonus)[:, None])[:, 0], x)
 
 
 @pytest.mark.parametrize("broken", [one_draw_per_step, first_child_on_any_match])
@@ -133,7 +135,7 @@ def test_tree_engines_commit_vanillas_tokens(variant):
     so every image is vanilla's, token for token (fp32; tiny model, 8 x 8 tokens, wide trees)."""
     bundle = tiny_bundle(vocab=8, grid=4, seed=1, std=0.3)
     sampling = dict(cfg_scale=2.0, temperature=0.8, top_k=5, top_p=0.9)
-    settings = dict(ENGINES[variant], total_tokens=10)
+    settings = dict(ENGINES[variant], total_tokens=10 if ENGINES[variant]["total_tokens"] else 0)
     ref = build_engine(bundle, engine_config("vanilla", sampling=sampling)).generate(labels(48), range(48))
     out = build_engine(bundle, engine_config(variant.partition("-")[0], sampling=sampling, **settings)).generate(
         labels(48), range(48))

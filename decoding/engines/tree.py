@@ -5,6 +5,10 @@ committed tokens; the last one, the root, is not yet in the target's cache (its 
 P = L + n - 1). Each step is one of two kinds, chosen by the budget (budget.py) for the whole batch:
 
 plain (K = 0): one target forward over the roots, the target draws the next token. No drafter.
+chain (C > 0, `chain` on): the drafter rests; the target verifies a chain of C tokens it drew itself in
+  the step before, at the positions past that step's accepted path (a Jacobi window, drafter-free).
+  Exact acceptance matches draws keyed by position, so a draw made after a prefix that turned out
+  right is accepted for certain, and one made after a wrong prefix still often is (`_chain_step`);
 speculative (K > 0):
   1. catch up: the drafter consumes the (target feature, next token) pairs committed since it last ran,
      in one forward; its last output gives the first level of the tree;
@@ -41,6 +45,11 @@ from decoding.sampling import Streams, sample
 NEG = float("-inf")
 KEEP_EVERY = 256     # steps between writes of what the budget learnt (cost.keep_learnt)
 CATCH_UP_MAX = 32    # pairs a catch-up feeds the drafter at most (see _catch_up)
+# Chain steps run only where one costs at most this many plain steps (a batch moves at its slowest row's
+# pace: on this CPU a 17-token chain step commits 4.3 tokens a row at batch 1, but a batch of 8 took as many
+# steps as 2.6 tokens a step would, so chains that cost 2.4 plain steps there lost; at batch 4, 1.9, they
+# won 1.4x; the cost table put them at 2.37 and 1.92 plain steps: docs/design.md, "Chains")
+CHAIN_COST = 2.2
 
 
 def put_rows(buf: torch.Tensor, idx: torch.Tensor, values: torch.Tensor) -> None:
@@ -60,6 +69,11 @@ class TreeConfig(EngineConfig):
     # shapes model), so a batch out of step pays for it on every later step. Rows that drift further
     # than this still refill at once (continuous batching).
     refill_wait: int = 32
+    # Most tokens of a chain step (0: none): the target's own draws of the step before, past its accepted
+    # path, verified as a chain with the drafter resting (the drafter-free draft of the Jacobi engines,
+    # matched like any tree, so the images stay vanilla's). The chain budget (budget.py) takes it where it
+    # beats both a plain step and the drafter's tree; on this CPU: at batch 1-4 (docs/design.md, "Chains").
+    chain: int = 16
     # auto: each step verifies the number of nodes (0 = a plain step) that maximises expected tokens per
     # second for the batch, from the device's measured forward costs (budget.py); fixed: total_tokens.
     budget: str = "auto"
@@ -79,9 +93,14 @@ class TreeConfig(EngineConfig):
             raise ValueError(f"engine.lantern_delta={self.lantern_delta}: must be in [0, 1)")
         if self.refill_wait < 0:
             raise ValueError(f"engine.refill_wait={self.refill_wait}: must be >= 0 (0: a free row refills at once)")
-        for key in ("total_tokens", "depth", "width", "lantern_k"):
+        for key in ("depth", "width", "lantern_k"):
             if getattr(self, key) < 1:
                 raise ValueError(f"engine.{key}={getattr(self, key)}: must be >= 1")
+        if self.chain < 0:
+            raise ValueError(f"engine.chain={self.chain}: must be >= 0 (0: no chain steps)")
+        if self.total_tokens < (0 if self.budget == "fixed" and self.chain else 1):
+            raise ValueError(f"engine.total_tokens={self.total_tokens}: must be >= 1 (0, the drafter off, only with "
+                             f"engine.budget=fixed and engine.chain >= 1)")
 
 
 @dataclass
@@ -127,6 +146,9 @@ class TreeEngine(SlotEngine):
                                    .to(self.device), cfg.lantern_delta)
         self.costs = cost_table(bundle, rows=()) if cfg.budget == "auto" else None   # rows: on _start
         self.budget = Budget(self.costs, cfg.total_tokens, self.max_shape()[1])
+        # chain steps: chosen by their own budget (auto), or every step where the drafter is off (fixed)
+        self.chain = Budget(self.costs, 0, 1, chain=cfg.chain) \
+            if cfg.chain and (cfg.budget == "auto" or cfg.total_tokens == 0) else None
         # The budget's step clock. On a CPU, the engine thread's CPU time: the time the step's work took,
         # without the time the thread waited for a core (other actors, Ray's own processes), which
         # made steps of either kind look fast or slow at random. Torch's worker threads run in step
@@ -153,22 +175,34 @@ class TreeEngine(SlotEngine):
         R, L, N, dev = (2 * slots if self.sampling.use_cfg else slots), self.L, self.N, self.device
         if self.costs is not None and R not in self.costs.rows:          # this batch's row count: measure it
             self.costs = self.budget.costs = cost_table(self.bundle, rows=(R,))
+            if self.chain is not None:
+                self.chain.costs = self.costs
         if self.costs is not None and not self.budget.measured:          # start from what the last engine learnt
-            self.budget.restore(learnt(self.costs.key))
+            state = learnt(self.costs.key) or {}
+            self.budget.restore(state)
+            if self.chain is not None:
+                self.chain.restore(state.get("chain"))
         d_max, w_max = self.max_shape()
         log = TokenLog(slots, N, self.G, dev)
         log.n[:] = N                                                       # empty slots are finished rows
         streams = Streams([0] * slots, dev)
         return SimpleNamespace(
             slots=slots, R=R, log=log, streams=streams, u=draws(streams, N), policy=self.policy(slots), step=0,
-            target=CachedModel(self.gpt, R, L + N + self.cfg.total_tokens + 1, self.bundle.dtype),
+            target=CachedModel(self.gpt, R, L + N + max(self.cfg.total_tokens, self.cfg.chain) + 1, self.bundle.dtype),
             # scratch for a tree's levels: the budget caps a tree's depth at total_tokens, whatever d_max
             draft=CachedModel(self.drafter, R, L + N + min(d_max, self.cfg.total_tokens) * w_max + 1, self.bundle.dtype),
             feats=torch.zeros(R, N + 1, self.gpt.args.dim, dtype=self.bundle.dtype, device=dev),  # per token
             dfeat=torch.zeros(R, self.gpt.args.dim, dtype=self.bundle.dtype, device=dev),
             dn=torch.zeros(slots, dtype=torch.long, device=dev),          # (feature, next token) pairs drafted on
+            # the target's draws of the last chain step, for tokens chain_at + j: the draw, whether there
+            # is one (a node that existed), and the target probability it was drawn with
+            chain=torch.zeros(slots, self.cfg.chain, dtype=torch.long, device=dev),
+            chain_ok=torch.zeros(slots, self.cfg.chain, dtype=torch.bool, device=dev),
+            chain_q=torch.zeros(slots, self.cfg.chain, device=dev),
+            chain_at=torch.zeros(slots, dtype=torch.long, device=dev),
             pending=0,                                                     # most pairs a row's drafter lags by
-            quiet=0)                                                       # plain steps left that need no budget
+            quiet=0,                                                       # plain steps left that need no budget
+            budgets=[self.budget] + ([self.chain] if self._chains_pay(R) else []))
 
     def _admit(self, st, rows, cond, seeds):
         """Prefill new prompts, draw their first token, run the drafter over their condition prefix."""
@@ -178,6 +212,8 @@ class TreeEngine(SlotEngine):
         st.u[rows] = draws(st.streams, self.N)[rows]
         st.policy.reset(rows)
         self.budget.admit(st.R)
+        if self.chain is not None:
+            self.chain.admit(st.R)
         feats, cond_emb = self.prefill(st.target, cond, rows, st.slots)
         p0 = self.target_probs(feats[:, -1])
         x0 = sample(p0, st.u[rows, 0])
@@ -185,6 +221,7 @@ class TreeEngine(SlotEngine):
         full = lambda v: torch.zeros(st.slots, dtype=v.dtype, device=self.device).index_copy(0, rows, v)  # noqa: E731
         log.commit(new, token_id=full(x0), accept_len=1, p_target=full(p0.gather(1, x0[:, None])[:, 0]))
         log.target_forwards += new
+        st.chain_ok[rows], st.chain_at[rows] = False, 0                    # nothing drawn for the new image yet
         # drafter over the prefix: pairs (f_p, e_{p+1}) for p < L, e_L = emb(t_0); its last output drafts t_1
         r = self.cache_rows(rows, st.slots)
         nxt = torch.cat([cond_emb[:, 1:], self.gpt.embed_tokens(self.rows(x0))[:, None]], 1)
@@ -198,34 +235,61 @@ class TreeEngine(SlotEngine):
         log.draft_forwards += new
 
     def _step(self, st):
-        """One step of every unfinished row, plain or speculative as the budget plans. A plain step reads
-        nothing back from the device beyond what vanilla's step does: the catch-up the drafter would need
-        (`st.pending`, an upper bound over rows) is kept on the host. The one exception is `_room` on a
-        device where attention width costs more than a token saves (a CPU at batch 8 and up): it reads
-        the longest and the shortest row, two scalars. Where the budget knows the next steps are plain
-        (Budget.quiet: speculation has only lost here, and the next probe is not due), they skip it all."""
+        """One step of every unfinished row, plain, chain or speculative as the budgets plan: the chain's
+        first (it costs no drafter), then the tree's. A plain step reads nothing back from the device
+        beyond what vanilla's step does: the catch-up the drafter would need (`st.pending`, an upper bound
+        over rows) is kept on the host. The one exception is `_room` on a device where attention width
+        costs more than a token saves (a CPU at batch 8 and up): it reads the longest and the shortest
+        row, two scalars. Where the budgets know the next steps are plain (Budget.quiet: speculation has
+        only lost here, and the next probe is not due), they skip it all."""
         t0 = self.clock()
         active = st.log.n < self.N
-        quiet, room = st.quiet > 0, None
+        quiet, room, chain, plan = st.quiet > 0, None, 0, 0
         if quiet:                                  # certain to be plain (Budget.quiet): nothing to plan or measure
             st.quiet -= 1
-            plan = self.budget.hold(st.R)
+            self._hold(st)
         else:
             room, may = self._room(st)
-            plan = min(self.budget.plan(st.R, st.pending, lambda: self._confidence(st, active)), self.N) \
-                if may else self.budget.hold(st.R)
+            if not may:
+                self._hold(st)
+            else:
+                confidence = lambda: self._confidence(st, active)      # noqa: E731
+                chain = self.chain.plan(st.R, 0, confidence) if len(st.budgets) > 1 else 0
+                plan = self.budget.hold(st.R) if chain else \
+                    min(self.budget.plan(st.R, st.pending, confidence), self.N)
         st.step += 1
-        if plan == 0:
+        if chain:
+            self._chain_step(st, active, chain, t0, room)
+        elif plan == 0:
             self._plain_step(st, active)
             st.pending = min(st.pending + 1, CATCH_UP_MAX)
             if self.costs is not None and not quiet:
-                self.budget.observe(st.R, 0, 1000 * (self.clock() - t0), self.costs.target(st.R, 1))
+                ms, forward_ms = 1000 * (self.clock() - t0), self.costs.target(st.R, 1)
+                for b in st.budgets:
+                    b.observe(st.R, 0, ms, forward_ms)
                 if st.pending == CATCH_UP_MAX:         # (until then the catch-up's cost, and the plan, change)
-                    st.quiet = self.budget.quiet(st.R, st.pending)
+                    st.quiet = min(b.quiet(st.R, st.pending) for b in st.budgets)
         else:
             self._spec_step(st, active, plan, t0, room)
         if self.costs is not None and st.step % KEEP_EVERY == 0:
-            keep_learnt(self.costs.key, self.budget.state())
+            keep_learnt(self.costs.key, self._learnt())
+
+    def _hold(self, st) -> None:
+        for b in st.budgets:
+            b.hold(st.R)
+
+    def _chains_pay(self, R: int) -> bool:
+        """Whether chain steps may run over R cache rows: where one costs at most CHAIN_COST plain steps
+        (the cost table), or always where the drafter is off (budget=fixed, total_tokens=0)."""
+        if self.chain is None or self.costs is None:
+            return self.chain is not None
+        return self.costs.target(R, 1 + self.cfg.chain) <= CHAIN_COST * self.costs.target(R, 1)
+
+    def _learnt(self) -> dict:
+        state = self.budget.state()
+        if self.chain is not None:
+            state["chain"] = self.chain.state()
+        return state
 
     def _confidence(self, st, active, last: int = 8) -> float:
         """The least confident busy row's mean target probability of its last `last` tokens (the budget's
@@ -283,6 +347,56 @@ class TreeEngine(SlotEngine):
             put_rows(st.feats, self.rows(last), f)
             log.commit(count, token_id=x, p_target=probs.gather(1, x[:, None])[:, 0], step=st.step, accept_len=1)
             log.target_forwards += count
+
+    def _chain_step(self, st, active, plan, t0, room=None):
+        """Verify each row's chain (st.chain: drafts for tokens n, n + 1, ...) as a tree of width 1, the
+        drafter resting; the target's draws at the chain's nodes past the accepted path become the next
+        chain. A draw at node k was made after the chain's first k tokens: where the path took them all,
+        it is the draw vanilla makes there and is accepted next step for certain; where the path left
+        the chain earlier, it was made after a prefix that is now wrong, and is a draft like any other
+        (the target's draw is what gets committed, so the images stay vanilla's)."""
+        log, N, costs = st.log, self.N, self.costs
+        n = log.n.clone()
+        P = parked((self.L + n - 1)[:, None], active)[:, 0]              # the root's slot
+        K, G = self.cfg.chain, self.G
+        lanes = torch.arange(K, device=self.device)
+        # lane j drafts token n + j: the last chain step's draw for it, wherever plain or tree steps since
+        # moved n, else a copy of the token one image row above where it is committed, or of the last one
+        old = (lanes + (n - st.chain_at)[:, None]).clamp(max=K - 1)
+        drawn = (lanes + (n - st.chain_at)[:, None] < K) & st.chain_ok.gather(1, old)
+        t = n[:, None] + lanes
+        above = torch.where((t >= G) & (t - G < n[:, None]), t - G, n[:, None] - 1).clamp(0, N - 1)
+        chain = torch.where(drawn, st.chain.gather(1, old), log.tokens.gather(1, above).clamp(min=0))
+        k = lanes + 1
+        exists = active[:, None] & (k < N - n[:, None])                   # node k drafts token n - 1 + k < N - 1
+        if room is not None:
+            exists &= k <= room[:, None]
+        root = log.tokens.gather(1, (n - 1).clamp(0, N - 1)[:, None]).clamp(min=0)
+        col = torch.zeros_like(root)
+        nan = torch.full_like(root, float("nan"), dtype=torch.float32)
+        tree = Tree(tok=torch.cat([root, chain], 1),
+                    parent=torch.cat([col - 1, torch.where(exists, k - 1, -1)], 1),
+                    depth=torch.cat([col, torch.where(exists, k, 0)], 1),
+                    q=torch.cat([nan, torch.where(drawn, st.chain_q.gather(1, old), float("nan"))], 1))
+        with log.phase("verify"):
+            probs, tfeats = self._verify_forward(st.target, tree, P)
+        with log.phase("accept"):
+            v = verify(tree, probs, node_uniforms(st.u, n, tree), self.lantern)
+            depth = exists.sum(1)
+            path = self._record(log, tree, v, active, st.step, depth, (depth > 0).long(), K)
+        with log.phase("commit"):
+            m_max = self._commit(st, tfeats, path, v.accepted, P, n, active)
+            st.pending = min(st.pending + m_max + 1, CATCH_UP_MAX)
+            src = v.accepted[:, None] + 1 + lanes                             # the node of each draw
+            node = torch.cat([torch.zeros_like(exists[:, :1]), exists], 1)
+            st.chain_ok = (src <= K) & node.gather(1, src.clamp(max=K))
+            st.chain = v.draws.gather(1, src.clamp(max=K))
+            st.chain_q = probs.gather(2, v.draws[..., None])[..., 0].gather(1, src.clamp(max=K))
+            st.chain_at = log.n.clone()
+        if costs is not None and bool(active.any()):
+            drafts = float(v.accepted[active].float().mean())
+            self.chain.observe(st.R, plan, 1000 * (self.clock() - t0), costs.target(st.R, 1 + K), 1 + drafts,
+                               np.array([drafts]))
 
     def _spec_step(self, st, active, plan, t0, room=None):
         log, N, costs = st.log, self.N, self.costs

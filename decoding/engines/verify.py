@@ -71,6 +71,8 @@ class Verdict:
     bonus: torch.Tensor     # [B] the target's draw after the path
     p_node: torch.Tensor    # [B, T] target probability of each node's token at its parent
     p_bonus: torch.Tensor   # [B] target probability of the bonus token
+    draws: torch.Tensor     # [B, T] the target's draw after each node (the next token if the path ends there)
+    draws: torch.Tensor | None = None
 
 
 def draws(streams: Streams, N: int) -> torch.Tensor:
@@ -102,7 +104,7 @@ def verify(tree: Tree, probs: torch.Tensor, u: torch.Tensor, lantern=None) -> Ve
     bonus = x.gather(1, last[:, None])[:, 0]
     p_node = probs.flatten(1).gather(1, parent * V + tree.tok)
     p_bonus = probs.flatten(1).gather(1, (last * V + bonus)[:, None])[:, 0]
-    return Verdict(on_path, on_path.sum(1), last, bonus, p_node, p_bonus)
+    return Verdict(on_path, on_path.sum(1), last, bonus, p_node, p_bonus, x)
 
 
 class Lantern:
