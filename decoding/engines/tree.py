@@ -2,11 +2,11 @@
 
 The engine decodes a continuous batch (base.Engine.stream): each slot holds one prompt with n
 committed tokens; the last one, the root, is not yet in the target's cache (its logical position
-P = L + n - 1). Each step is one of two kinds, chosen by the budget (budget.py) for the whole batch:
+P = L + n - 1). Each step is one of three kinds, chosen by the budgets (budget.py) for the whole batch:
 
 plain (K = 0): one target forward over the roots, the target draws the next token. No drafter.
-chain (C > 0, `chain` on): the drafter rests; the target verifies a chain of C tokens it drew itself in
-  the step before, at the positions past that step's accepted path (a Jacobi window, drafter-free).
+chain (`chain` tokens): the drafter rests; the target verifies a chain of the tokens it drew itself in
+  the last chain step, at the positions past that step's accepted path (a Jacobi window, drafter-free).
   Exact acceptance matches draws keyed by position, so a draw made after a prefix that turned out
   right is accepted for certain, and one made after a wrong prefix still often is (`_chain_step`);
 speculative (K > 0):
@@ -71,8 +71,9 @@ class TreeConfig(EngineConfig):
     refill_wait: int = 32
     # Most tokens of a chain step (0: none): the target's own draws of the step before, past its accepted
     # path, verified as a chain with the drafter resting (the drafter-free draft of the Jacobi engines,
-    # matched like any tree, so the images stay vanilla's). The chain budget (budget.py) takes it where it
-    # beats both a plain step and the drafter's tree; on this CPU: at batch 1-4 (docs/design.md, "Chains").
+    # matched like any tree, so the images stay vanilla's). Its own budget (budget.py) takes a chain step,
+    # ahead of the drafter's tree, where it beats a plain step and costs at most CHAIN_COST plain steps;
+    # on this CPU: at batch 1-4 (docs/design.md, "Chains").
     chain: int = 16
     # auto: each step verifies the number of nodes (0 = a plain step) that maximises expected tokens per
     # second for the batch, from the device's measured forward costs (budget.py); fixed: total_tokens.
@@ -390,8 +391,8 @@ class TreeEngine(SlotEngine):
             src = v.accepted[:, None] + 1 + lanes                             # the node of each draw
             node = torch.cat([torch.zeros_like(exists[:, :1]), exists], 1)
             st.chain_ok = (src <= K) & node.gather(1, src.clamp(max=K))
-            st.chain = v.draws.gather(1, src.clamp(max=K))
-            st.chain_q = probs.gather(2, v.draws[..., None])[..., 0].gather(1, src.clamp(max=K))
+            st.chain = v.drawn.gather(1, src.clamp(max=K))
+            st.chain_q = probs.gather(2, v.drawn[..., None])[..., 0].gather(1, src.clamp(max=K))
             st.chain_at = log.n.clone()
         if costs is not None and bool(active.any()):
             drafts = float(v.accepted[active].float().mean())

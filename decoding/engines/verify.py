@@ -71,8 +71,7 @@ class Verdict:
     bonus: torch.Tensor     # [B] the target's draw after the path
     p_node: torch.Tensor    # [B, T] target probability of each node's token at its parent
     p_bonus: torch.Tensor   # [B] target probability of the bonus token
-    draws: torch.Tensor     # [B, T] the target's draw after each node (the next token if the path ends there)
-    draws: torch.Tensor | None = None
+    drawn: torch.Tensor     # [B, T] the target's draw after each node (its next token, if the path ends there)
 
 
 def draws(streams: Streams, N: int) -> torch.Tensor:
