@@ -9,12 +9,15 @@ from __future__ import annotations
 import pytest
 import torch
 
+import decoding.engines.tree as tree_module
 from decoding.engines import build_engine, engine_config
 from decoding.engines.base import Request
+from decoding.engines.budget import CHAIN_RUN, FLOOR_SAMPLES, PROBE_MAX, PROBE_SHARE, Budget, bucket
+from decoding.engines.tree import CHAIN_COST
 from decoding.engines.verify import draws
 from decoding.sampling import Streams, sample
 from tests.conftest import labels, tiny_bundle
-from tests.test_budget import SAMPLING, alternate
+from tests.test_budget import PLAIN, SAMPLING, alternate, run, table
 from tests.test_oracle import oracle
 
 CHAIN = dict(total_tokens=0, chain=5, budget="fixed")          # every step a chain step of 5
@@ -126,3 +129,86 @@ def test_each_chain_is_the_targets_draws_after_the_chain_before_it(pattern):
     checked = len(where)
     assert got == want
     assert checked > 40 and copied > 0
+
+
+# -- the chain's budget (budget.py, Budget(chain=...)) ------------------------------------------------------
+def chain_budget(target=lambda R, T: 10.0 + 0.01 * T, drafter=lambda R, T: 0.05 * R * T ** 0.5) -> Budget:
+    return Budget(table(target, drafter), max_nodes=0, width=1, chain=16)
+
+
+def test_a_chain_costs_a_target_forward_over_its_tokens_and_no_drafter():
+    """K = 1 is the one chain length; its cost is the target's forward over 1 + 16 tokens, however dear
+    the drafter (it rests), and its prior value says a chain step pays where that forward is cheap."""
+    cheap, dear_drafter = chain_budget(), chain_budget(drafter=lambda R, T: 1000.0)
+    assert cheap.max == 1 and cheap._forwards(2, 32).tolist() == pytest.approx([10.01, 10.17])
+    assert dear_drafter._forwards(2, 32).tolist() == cheap._forwards(2, 32).tolist()
+    assert cheap.model_plan(2, 1) == 1
+    steep = chain_budget(target=lambda R, T: 1.0 * R * T)            # 17 tokens cost 17 plain steps
+    assert steep.model_plan(2, 1) == 0
+
+
+CHAIN_WIN = lambda K: PLAIN if K == 0 else (12.0, 4.0)        # noqa: E731  a chain step: 3.3x a plain step's rate
+CHAIN_LOSE = lambda K: PLAIN if K == 0 else (20.0, 1.0)       # noqa: E731  a busy stretch: 0.5x
+
+
+def test_a_chains_probe_runs_its_whole_run_and_then_waits_out_its_share():
+    """A chain's probe takes CHAIN_RUN steps whatever its first ones measure (they verify copies, not
+    draws), and a probe that lost waits until its loss is PROBE_SHARE of the steps to the next one, even
+    where chains paid before (at batch 8 on a CPU that licence had it probe its way to 0.87x vanilla)."""
+    b = chain_budget()
+    run(b, CHAIN_WIN, 50)                                       # chains paid here
+    g = b.goodput(2)
+    assert g.net > 0
+    plans = run(b, CHAIN_LOSE, 400)
+    first = plans.index(1) if 1 in plans else None
+    assert first is not None
+    runs = "".join(str(K) for K in plans).split("0")
+    probes = [r for r in runs if r]
+    assert all(len(r) >= CHAIN_RUN for r in probes[1:]), probes
+    assert g.wait >= min(g.lost / PROBE_SHARE, PROBE_MAX) and g.lost > 0     # doubling alone: 256 by now
+
+
+def test_one_busy_chain_step_does_not_switch_chains_off():
+    """A chain step commits its whole chain or one token, by stretches: chains that measured 1.5x a plain
+    step survive one step at half a plain step's rate (CHAIN_EMA), where a tree's bucket would not."""
+    for b, K, stays in ((chain_budget(), 1, True), (Budget(table(lambda R, T: 10.0 + 0.01 * T), 16, 4), 16, False)):
+        g = b.goodput(2)
+        for _ in range(FLOOR_SAMPLES):
+            b.observe(2, 0, step_ms=10.0, forward_ms=10.0)
+        g.rate[bucket(K)], g.seen[bucket(K)], g.step = 1.5, 0, 1
+        b.observe(2, K, step_ms=20.0, forward_ms=20.0, tokens_per_row=1.0)
+        assert g.below_plain(bucket(K)) != stays, (K, g.rate)
+
+
+@pytest.mark.parametrize("ratio, runs", [(1.5, True), (3.0, False)])
+def test_chain_steps_run_only_where_the_cost_table_says_one_costs_at_most_chain_cost_plain_steps(
+        ratio, runs, tmp_path, monkeypatch):
+    """The gate on the hardware (tree.py `_chains_pay`): measured per step, chains looked like a win at
+    batch 8 on a CPU where whole images lost. Above CHAIN_COST no chain step runs, and the tree's own
+    budget plans as it did without chains."""
+    monkeypatch.setenv("ARSPEC_CACHE", str(tmp_path))
+    monkeypatch.setattr(tree_module, "cost_table", lambda bundle, rows=(): table(
+        lambda R, T: 10.0 * (1 + (ratio - 1) * (T - 1) / 16)))
+    bundle = tiny_bundle(vocab=8, grid=4, seed=1, std=0.3)
+    engine = build_engine(bundle, engine_config("adt_tree", sampling=SAMPLING, total_tokens=6, chain=16))
+    assert (engine.costs.target(16, 17) <= CHAIN_COST * engine.costs.target(16, 1)) == runs
+    out = engine.generate(labels(8), range(100, 108))
+    ref = vanilla(bundle, 8)
+    assert [r.tokens.tolist() for r in out] == [r.tokens.tolist() for r in ref]
+    chained = any((r.records["tree_width"] == 1).any() and (r.records["tree_depth"] > 6).any() for r in out)
+    assert chained == runs
+
+
+def test_what_the_chain_learnt_is_kept_for_the_next_engine(tmp_path, monkeypatch):
+    monkeypatch.setenv("ARSPEC_CACHE", str(tmp_path))
+    monkeypatch.setattr(tree_module, "cost_table", lambda bundle, rows=(): table(lambda R, T: 10.0 + 0.01 * T))
+    bundle = tiny_bundle(vocab=8, grid=4, seed=1, std=0.3)
+    first = build_engine(bundle, engine_config("adt_tree", sampling=SAMPLING, total_tokens=6, chain=16))
+    st = first._start(2)
+    first.chain.goodput(st.R).wait = 96
+    first.chain.value[:] = 3.5
+    tree_module.keep_learnt(first.costs.key, first._learnt())
+    second = build_engine(bundle, engine_config("adt_tree", sampling=SAMPLING, total_tokens=6, chain=16))
+    second._start(2)
+    assert second.chain.value.tolist() == [3.5] and second.chain.goodput(st.R).wait == 96
+    assert second.budget.value.tolist() == first.budget.value.tolist()
