@@ -17,7 +17,7 @@ from decoding.engines.tree import CHAIN_COST
 from decoding.engines.verify import draws
 from decoding.sampling import Streams, sample
 from tests.conftest import labels, tiny_bundle
-from tests.test_budget import PLAIN, SAMPLING, alternate, run, table
+from tests.test_budget import PLAIN, SAMPLING, alternate, run, table, with_width
 from tests.test_oracle import oracle
 
 CHAIN = dict(total_tokens=0, chain=5, budget="fixed")          # every step a chain step of 5
@@ -40,14 +40,18 @@ def test_chain_steps_commit_vanillas_tokens_and_save_forwards(name):
 
 def test_rows_that_take_the_next_prompt_start_a_new_chain():
     """Continuous batching: 12 prompts through 5 slots give vanilla's tokens; a reused row's chain holds
-    nothing of the image before (its draws were for other positions)."""
+    nothing of the image before (its draws were for other positions): an image's first chain, at one
+    committed token, copies that token into every lane (no row above is committed yet)."""
     bundle = tiny_bundle(vocab=8, grid=4, seed=1, std=0.3)
     ref = vanilla(bundle, 12)
     engine = build_engine(bundle, engine_config("adt_tree", sampling=SAMPLING, **CHAIN))
+    calls = record_chains(engine)
     outs = list(engine.stream((Request(c, 100 + i, key=i) for i, c in enumerate(labels(12).split())), slots=5))
     assert not any(o.error for o in outs), [o.error for o in outs if o.error]
     got = {o.key: o.result.tokens.tolist() for o in outs}
     assert [got[i] for i in range(12)] == [r.tokens.tolist() for r in ref]
+    first = [(c[b][e[b]], root[b]) for P, c, e, root in calls for b in range(5) if int(P[b]) - engine.L == 0]
+    assert len(first) >= 12 and all((lanes == r).all() for lanes, r in first)
 
 
 def mixed(engine, chain_pattern, tree_pattern):
@@ -72,7 +76,7 @@ def test_chain_tree_and_plain_steps_mixed_commit_vanillas_tokens():
 
 
 def record_chains(engine) -> list:
-    """(P [B], chain tokens [B, K], nodes [B, K]) of every chain step's verified tree."""
+    """(P [B], chain tokens [B, K], nodes [B, K], root [B]) of every chain step's verified tree."""
     calls, forward, chain_step = [], engine._verify_forward, engine._chain_step
     in_chain = []
 
@@ -85,7 +89,7 @@ def record_chains(engine) -> list:
 
     def spy(target, tree, P):
         if in_chain:
-            calls.append((P.clone(), tree.tok[:, 1:].clone(), (tree.parent[:, 1:] >= 0).clone()))
+            calls.append((P.clone(), tree.tok[:, 1:].clone(), (tree.parent[:, 1:] >= 0).clone(), tree.tok[:, 0].clone()))
         return forward(target, tree, P)
     engine._verify_forward, engine._chain_step = spy, step
     return calls
@@ -108,7 +112,7 @@ def test_each_chain_is_the_targets_draws_after_the_chain_before_it(pattern):
     u = draws(Streams(seeds, "cpu"), N)
     rows, seqs, where = [], [], []
     checked = copied = 0
-    for (P1, c1, e1), (P2, c2, e2) in zip(calls, calls[1:]):
+    for (P1, c1, e1, _), (P2, c2, e2, _) in zip(calls, calls[1:]):
         for b in range(B):
             n1, n2 = int(P1[b]) - L + 1, int(P2[b]) - L + 1
             if not (1 <= n1 < n2 < N and e1[b].any() and e2[b].any()):
@@ -212,3 +216,53 @@ def test_what_the_chain_learnt_is_kept_for_the_next_engine(tmp_path, monkeypatch
     second._start(2)
     assert second.chain.value.tolist() == [3.5] and second.chain.goodput(st.R).wait == 96
     assert second.budget.value.tolist() == first.budget.value.tolist()
+
+
+def test_chains_stay_behind_the_longest_row_where_width_is_dear(tmp_path, monkeypatch):
+    """As tree steps do (tests/test_budget.py): where a slot of attention width costs the batch more than
+    a token saves a row (tree.py `_room`), no chain takes a row past the longest one, and rows behind it
+    still take several tokens a step. Tokens stay vanilla's."""
+    monkeypatch.setenv("ARSPEC_CACHE", str(tmp_path))
+    bundle = tiny_bundle(vocab=8, grid=4, seed=1, std=0.3)
+    ref = vanilla(bundle, 8)
+    engine = build_engine(bundle, engine_config("adt_tree", sampling=SAMPLING, total_tokens=6, chain=5))
+    with_width(engine, 0.0)
+    engine.chain.costs = engine.costs
+    mixed(engine, [1], [0])
+    step, moves = engine._step, []
+
+    def traced(st):
+        if len(moves) == 2:
+            with_width(engine, 10.0)
+        before = st.log.n.clone()
+        step(st)
+        moves.append((int(before.max()), int(st.log.n.max()), int((st.log.n - before).max())))
+    engine._step = traced
+    out = engine.generate(labels(8), range(100, 108))
+    assert [r.tokens.tolist() for r in out] == [r.tokens.tolist() for r in ref]
+    later = [m for m in moves[2:] if m[0] < engine.N]
+    assert any(hi > lo + 1 for lo, hi, _ in moves[:2]) and all(hi <= lo + 1 for lo, hi, _ in later), moves
+    assert any(most > 1 for _, _, most in later), moves
+
+
+def test_the_engine_reports_each_chain_step_to_the_chain_budget(tmp_path, monkeypatch):
+    """What the chain's goodput is made of: each chain step reports K = 1 and 1 + the drafts it accepted
+    per unfinished row, both as the step's tokens and as what the chain is worth (v_1); and the chain
+    budget prices with the cost table measured for this batch."""
+    monkeypatch.setenv("ARSPEC_CACHE", str(tmp_path))
+    bundle = tiny_bundle(vocab=8, grid=4, seed=1, std=0.3)
+    engine = build_engine(bundle, engine_config("adt_tree", sampling=SAMPLING, total_tokens=6, chain=5))
+    mixed(engine, [1, 0], [0])
+    verdicts, seen = [], []
+    record, observe = engine._record, engine.chain.observe
+    engine._record = lambda log, tree, v, active, *a: verdicts.append((v.accepted.clone(), active.clone())) or \
+        record(log, tree, v, active, *a)
+    engine.chain.observe = lambda R, K, ms, fwd, tokens=1.0, by_rank=None, *a, **k: (
+        seen.append((K, tokens, None if by_rank is None else float(by_rank[0]))), observe(R, K, ms, fwd, tokens, by_rank, *a, **k))
+    engine.generate(labels(6), range(100, 106))
+    chain_seen = [s for s in seen if s[0] > 0]
+    want = [1 + float(m[a].float().mean()) for m, a in verdicts]
+    assert len(chain_seen) == len(want) > 5
+    assert [t for _, t, _ in chain_seen] == pytest.approx(want) and [v for *_, v in chain_seen] == pytest.approx(
+        [w - 1 for w in want])
+    assert engine.chain.costs is engine.costs and 12 in engine.costs.rows      # 6 prompts, CFG
