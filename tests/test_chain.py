@@ -44,14 +44,15 @@ def test_rows_that_take_the_next_prompt_start_a_new_chain():
     committed token, copies that token into every lane (no row above is committed yet)."""
     bundle = tiny_bundle(vocab=8, grid=4, seed=1, std=0.3)
     ref = vanilla(bundle, 12)
-    engine = build_engine(bundle, engine_config("adt_tree", sampling=SAMPLING, **CHAIN))
+    engine = build_engine(bundle, engine_config("adt_tree", sampling=SAMPLING, total_tokens=6, chain=5))
+    mixed(engine, [1, 0, 0], [0, 4])        # an image may end on any kind of step, its last draws unused
     calls = record_chains(engine)
     outs = list(engine.stream((Request(c, 100 + i, key=i) for i, c in enumerate(labels(12).split())), slots=5))
     assert not any(o.error for o in outs), [o.error for o in outs if o.error]
     got = {o.key: o.result.tokens.tolist() for o in outs}
     assert [got[i] for i in range(12)] == [r.tokens.tolist() for r in ref]
     first = [(c[b][e[b]], root[b]) for P, c, e, root in calls for b in range(5) if int(P[b]) - engine.L == 0]
-    assert len(first) >= 12 and all((lanes == r).all() for lanes, r in first)
+    assert len(first) >= 5 and all((lanes == r).all() for lanes, r in first)
 
 
 def mixed(engine, chain_pattern, tree_pattern):
