@@ -7,5 +7,6 @@ by another version, whose images would not match. tests/test_sampling.py pins th
   1  numpy PCG64 stream per prompt, host-side inverse CDF
   2  counter-based hash streams on the device (decoding/sampling.py), device-side sampling and trials
   3  tree engines commit the target's own draws (verify.py): their tokens are vanilla's for the same seed
+  4  a token is drawn by an exponential race (sampling.sample) keyed per position, not an inverse CDF
 """
-BYTES_VERSION = 3
+BYTES_VERSION = 4

@@ -670,7 +670,7 @@ def test_rows_in_step_stay_in_step_where_running_ahead_costs_the_batch_more(name
 
 
 def test_rows_behind_catch_up_by_speculation_and_none_passes_the_leader(tmp_path, monkeypatch):
-    """Rows out of step (three free speculative steps move them apart), then a device where width is
+    """Rows out of step (four free speculative steps move them apart), then a device where width is
     dear: from then on the longest row moves by at most one token per step, and rows behind it still
     speculate (by more than one token in a step). Tokens stay vanilla's."""
     monkeypatch.setenv("ARSPEC_CACHE", str(tmp_path))
@@ -682,7 +682,7 @@ def test_rows_behind_catch_up_by_speculation_and_none_passes_the_leader(tmp_path
     step, moves = engine._step, []
 
     def traced(st):
-        if len(moves) == 3:
+        if len(moves) == 4:
             with_width(engine, 10.0)
         before = st.log.n.clone()
         step(st)
@@ -690,8 +690,8 @@ def test_rows_behind_catch_up_by_speculation_and_none_passes_the_leader(tmp_path
     engine._step = traced
     out = engine.generate(labels(8), range(8))
     assert [r.tokens.tolist() for r in out] == [r.tokens.tolist() for r in ref]
-    later = [m for m in moves[3:] if m[0] < engine.N]
-    assert moves[2][0] > 3 and all(hi <= lo + 1 for lo, hi, _ in later), moves
+    later = [m for m in moves[4:] if m[0] < engine.N]
+    assert moves[4][0] > 5 and all(hi <= lo + 1 for lo, hi, _ in later), moves
     assert any(most > 1 for _, _, most in later), moves
 
 

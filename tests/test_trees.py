@@ -9,7 +9,7 @@ from scipy.stats import chisquare
 
 from decoding.engines import build_engine, engine_config
 from decoding.engines.policy import AdjacencyAdaptive, bisect
-from decoding.engines.verify import Lantern, Tree, codebook_neighbours, draws, node_uniforms, verify
+from decoding.engines.verify import Lantern, Tree, codebook_neighbours, draws, node_keys, verify
 from decoding.sampling import Streams
 from tests.conftest import labels
 
@@ -52,14 +52,14 @@ TREE = [(0, 0), (0, 1), (0, 2), (1, 3), (1, 4), (2, 0), (2, 5), (4, 1)]
 
 @pytest.mark.parametrize("seed", [0, 1])
 def test_verification_samples_the_target_exactly(seed):
-    """Matching the target's draws against the tree, with the uniforms the engine uses (keyed by token
+    """Matching the target's draws against the tree, with the keys the engine uses (one per token
     position, shared across branches), commits exactly what the target samples token by token."""
     rng = np.random.default_rng(seed)
     V, B, n = 6, 40_000, 5
     probs = rng.dirichlet(np.full(V, 0.8), size=len(TREE) + 1).astype(np.float32)
     tree = make_tree(TREE, root_token=2, B=B)
-    u = node_uniforms(draws(Streams(range(seed * B, (seed + 1) * B), "cpu"), 16), torch.full((B,), n), tree)
-    v = verify(tree, torch.from_numpy(probs).expand(B, -1, -1), u)
+    keys = node_keys(draws(Streams(range(seed * B, (seed + 1) * B), "cpu"), 16), torch.full((B,), n), tree)
+    v = verify(tree, torch.from_numpy(probs).expand(B, -1, -1), keys)
     tok = tree.tok[0].tolist()
     counts = {}
     for on, bonus in zip(v.on_path.tolist(), v.bonus.tolist()):
@@ -80,8 +80,8 @@ def first_token_tvd(probs: np.ndarray, drafts: list[int], lantern, n: int = 100_
     """TVD between p and the law of the first committed token when `drafts` are tried at the root."""
     tree = make_tree([(0, t) for t in drafts], root_token=0, B=n)
     g = torch.Generator().manual_seed(seed)
-    v = verify(tree, torch.from_numpy(probs).float().expand(n, -1, -1), torch.rand(n, len(drafts) + 1, generator=g),
-               lantern)
+    keys = torch.randint(0, 2**32, (n, len(drafts) + 1), generator=g)
+    v = verify(tree, torch.from_numpy(probs).float().expand(n, -1, -1), keys, lantern)
     first = torch.where(v.accepted > 0, tree.tok[:, 1:].gather(1, (v.on_path[:, 1:].float().argmax(1))[:, None])[:, 0],
                         v.bonus)
     out = np.bincount(first.numpy(), minlength=probs.shape[1]) / n

@@ -93,12 +93,12 @@ def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return torch.where(r.sum(-1, keepdim=True) > RESIDUAL_FLOOR, r, p)
 
 
-def trial(p: torch.Tensor, q: torch.Tensor, x: torch.Tensor, u: torch.Tensor, u_res: torch.Tensor):
-    """Speculative sampling at every lane at once: p, q [B, W, V], drafts x [B, W], uniforms u, u_res [B, W].
-    Returns (passed [B, W]: u q(x) < p(x), i.e. with probability min(1, p(x)/q(x)); the residual draw
+def trial(p: torch.Tensor, q: torch.Tensor, x: torch.Tensor, u: torch.Tensor, key_res: torch.Tensor):
+    """Speculative sampling at every lane at once: p, q [B, W, V], drafts x [B, W], uniforms u and the
+    residual draws' keys key_res [B, W]. Returns (passed [B, W]: u q(x) < p(x), i.e. with probability min(1, p(x)/q(x)); the residual draw
     [B, W] from norm(max(p - q, 0)), the token a lane gets when its draft does not pass)."""
     px, qx = p.gather(-1, x[..., None])[..., 0], q.gather(-1, x[..., None])[..., 0]
-    return u * qx < px, sample(residual(p, q), u_res)
+    return u * qx < px, sample(residual(p, q), key_res)
 
 
 class Jacobi(Engine):
@@ -114,7 +114,7 @@ class Jacobi(Engine):
 
         feats, _ = self.prefill(target, cond)
         p0 = self.target_probs(feats[:, -1])
-        x0 = sample(p0, streams.uniform(SAMPLE, 0, 0))
+        x0 = sample(p0, streams.bits(SAMPLE, 0, 0))
         log.commit(torch.ones(B, dtype=torch.long, device=dev), token_id=x0, accept_len=1,
                    p_target=p0.gather(1, x0[:, None])[:, 0])
         log.target_forwards += 1
@@ -134,8 +134,8 @@ class Jacobi(Engine):
             with log.phase("accept"):
                 pos = n[:, None] + lanes                                          # token position of each lane
                 passed, fix = trial(p[:, :W], q, tok, streams.uniform(ACCEPT, pos[:, :W], step),
-                                    streams.uniform(SAMPLE, pos[:, :W], step))
-                bonus = sample(p[:, W], streams.uniform(SAMPLE, pos[:, W], step))
+                                    streams.bits(SAMPLE, pos[:, :W], step))
+                bonus = sample(p[:, W], streams.bits(SAMPLE, pos[:, W], step))
                 fix = torch.cat([fix, bonus[:, None]], 1)                         # [B, W + 1]
                 m = (passed & (pos[:, :W] < N)).long().cummin(1).values.sum(1)         # accepted drafts
                 count = torch.where(active, torch.minimum(m + 1, N - n), 0)
@@ -207,7 +207,7 @@ class SJD(Jacobi):
     name, Config = "sjd", SJDConfig
 
     def carry(self, streams, p, q, tok, passed, fix, pos, step):
-        return sample(p, streams.uniform(JACOBI, pos, step, 1)), p
+        return sample(p, streams.bits(JACOBI, pos, step, 1)), p
 
 
 class MCSJD(Jacobi):

@@ -39,7 +39,7 @@ from decoding.engines.budget import Budget
 from decoding.engines.cost import cost_table, keep_learnt, learnt
 from decoding.engines.log import TokenLog
 from decoding.engines.policy import AdjacencyAdaptive, FixedShape
-from decoding.engines.verify import Lantern, Tree, codebook_neighbours, draws, node_uniforms, verify
+from decoding.engines.verify import Lantern, Tree, codebook_neighbours, draws, node_keys, verify
 from decoding.sampling import Streams, sample
 
 NEG = float("-inf")
@@ -188,7 +188,7 @@ class TreeEngine(SlotEngine):
         log.n[:] = N                                                       # empty slots are finished rows
         streams = Streams([0] * slots, dev)
         return SimpleNamespace(
-            slots=slots, R=R, log=log, streams=streams, u=draws(streams, N), policy=self.policy(slots), step=0,
+            slots=slots, R=R, log=log, streams=streams, keys=draws(streams, N), policy=self.policy(slots), step=0,
             target=CachedModel(self.gpt, R, L + N + max(self.cfg.total_tokens, self.cfg.chain) + 1, self.bundle.dtype),
             # scratch for a tree's levels: the budget caps a tree's depth at total_tokens, whatever d_max
             draft=CachedModel(self.drafter, R, L + N + min(d_max, self.cfg.total_tokens) * w_max + 1, self.bundle.dtype),
@@ -210,14 +210,14 @@ class TreeEngine(SlotEngine):
         L, log = self.L, st.log
         log.reset(rows)
         st.streams.reseed(rows, seeds)
-        st.u[rows] = draws(st.streams, self.N)[rows]
+        st.keys[rows] = draws(st.streams, self.N)[rows]
         st.policy.reset(rows)
         self.budget.admit(st.R)
         if self.chain is not None:
             self.chain.admit(st.R)
         feats, cond_emb = self.prefill(st.target, cond, rows, st.slots)
         p0 = self.target_probs(feats[:, -1])
-        x0 = sample(p0, st.u[rows, 0])
+        x0 = sample(p0, st.keys[rows, 0])
         new = torch.zeros(st.slots, dtype=torch.long, device=self.device).index_fill(0, rows, 1)
         full = lambda v: torch.zeros(st.slots, dtype=v.dtype, device=self.device).index_copy(0, rows, v)  # noqa: E731
         log.commit(new, token_id=full(x0), accept_len=1, p_target=full(p0.gather(1, x0[:, None])[:, 0]))
@@ -342,7 +342,7 @@ class TreeEngine(SlotEngine):
             st.target.commit(slot, self.rows(active)[:, None])
             probs = self.target_probs(f[:, 0])
         with log.phase("accept"):
-            x = sample(probs, st.u.gather(1, log.n.clamp(max=N - 1)[:, None])[:, 0])
+            x = sample(probs, st.keys.gather(1, log.n.clamp(max=N - 1)[:, None])[:, 0])
             count = active.long()
             # the pending buffer: a finished row writes its last slot, which no catch-up reads
             put_rows(st.feats, self.rows(last), f)
@@ -382,7 +382,7 @@ class TreeEngine(SlotEngine):
         with log.phase("verify"):
             probs, tfeats = self._verify_forward(st.target, tree, P)
         with log.phase("accept"):
-            v = verify(tree, probs, node_uniforms(st.u, n, tree), self.lantern)
+            v = verify(tree, probs, node_keys(st.keys, n, tree), self.lantern)
             depth = exists.sum(1)
             path = self._record(log, tree, v, active, st.step, depth, (depth > 0).long(), K)
         with log.phase("commit"):
@@ -420,7 +420,7 @@ class TreeEngine(SlotEngine):
         with log.phase("verify"):
             probs, tfeats = self._verify_forward(st.target, tree, P)
         with log.phase("accept"):
-            v = verify(tree, probs, node_uniforms(st.u, n, tree), self.lantern)
+            v = verify(tree, probs, node_keys(st.keys, n, tree), self.lantern)
             path = self._record(log, tree, v, active, st.step, d, w, K)
             drafted = tree.depth.amax(1)                                  # the depth the budget left: α's base
             st.policy.update(asked, w, v.accepted, active & (drafted > 0), drafted)

@@ -26,14 +26,14 @@ class Vanilla(SlotEngine):
         log = TokenLog(slots, self.N, self.G, self.device)
         log.n[:] = self.N                                             # empty slots are finished rows
         streams = Streams([0] * slots, self.device)
-        return SimpleNamespace(slots=slots, log=log, streams=streams, u=draws(streams, self.N),
+        return SimpleNamespace(slots=slots, log=log, streams=streams, keys=draws(streams, self.N),
                                target=CachedModel(self.gpt, R, self.L + self.N, self.bundle.dtype),
                                probs=None)
 
     def _admit(self, st, rows, cond, seeds):
         st.log.reset(rows)
         st.streams.reseed(rows, seeds)
-        st.u[rows] = draws(st.streams, self.N)[rows]
+        st.keys[rows] = draws(st.streams, self.N)[rows]
         feats, _ = self.prefill(st.target, cond, rows, st.slots)
         p = self.target_probs(feats[:, -1])                           # [k, V]
         if st.probs is None:
@@ -45,7 +45,7 @@ class Vanilla(SlotEngine):
         """Draw and commit the next token of rows (default: every unfinished row) from st.probs."""
         log = st.log
         active = log.n < self.N if rows is None else torch.zeros_like(log.n, dtype=torch.bool).index_fill(0, rows, True)
-        x = sample(st.probs, st.u.gather(1, log.n.clamp(max=self.N - 1)[:, None])[:, 0])
+        x = sample(st.probs, st.keys.gather(1, log.n.clamp(max=self.N - 1)[:, None])[:, 0])
         count = active.long()
         log.commit(count, token_id=x, p_target=st.probs.gather(1, x[:, None])[:, 0], step=log.n, accept_len=1)
         log.target_forwards += count

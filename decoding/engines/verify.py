@@ -1,9 +1,8 @@
 """Tree verification on the device, batched over rows: the target draws, the tree is matched against the
 draws (docs/design.md, "Verification").
 
-Exact acceptance. After each node the target draws its own next token, x = sample(p_node, u), with the
-uniform u keyed by the position of the token being drawn: the same uniform vanilla decoding would use
-there. The walk starts at the root; while the target's draw at the current node equals one of its
+Exact acceptance. After each node the target draws its own next token, x = sample(p_node, key), with
+the key of the position of the token being drawn: the same key vanilla decoding would use there. The walk starts at the root; while the target's draw at the current node equals one of its
 children (drafted tokens are distinct siblings), the walk moves to that child; the first draw that
 matches no child is the bonus token. Every committed token is therefore the target's own draw with
 vanilla's uniform, so the output is vanilla's, token for token, whatever tree was drafted — up to the
@@ -75,22 +74,22 @@ class Verdict:
 
 
 def draws(streams: Streams, N: int) -> torch.Tensor:
-    """[B, N] the uniform of the target's draw of token i (the same one vanilla uses for token i)."""
-    return streams.uniform(SAMPLE, torch.arange(N, device=streams.device)[None])
+    """[B, N] the key (sampling.sample) of the target's draw of token i: the one vanilla uses for token i."""
+    return streams.bits(SAMPLE, torch.arange(N, device=streams.device)[None])
 
 
-def node_uniforms(u_target: torch.Tensor, n: torch.Tensor, tree: Tree) -> torch.Tensor:
-    """[B, T]: for rows with n committed tokens (the root is token n - 1), the uniform of the target's
-    draw after each node: that token's index is n + depth."""
-    return u_target.gather(1, (n[:, None] + tree.depth).clamp(max=u_target.shape[1] - 1))
+def node_keys(keys: torch.Tensor, n: torch.Tensor, tree: Tree) -> torch.Tensor:
+    """[B, T]: for rows with n committed tokens (the root is token n - 1), the key of the target's draw
+    after each node: that token's index is n + depth."""
+    return keys.gather(1, (n[:, None] + tree.depth).clamp(max=keys.shape[1] - 1))
 
 
-def verify(tree: Tree, probs: torch.Tensor, u: torch.Tensor, lantern=None) -> Verdict:
-    """probs [B, T, V]: the target's filtered distribution at every block index; u [B, T]: the uniform
-    of the target's draw after each node (`node_uniforms`)."""
+def verify(tree: Tree, probs: torch.Tensor, keys: torch.Tensor, lantern=None) -> Verdict:
+    """probs [B, T, V]: the target's filtered distribution at every block index; keys [B, T]: the key of
+    the target's draw after each node (`node_keys`)."""
     B, T, V = probs.shape
     node, parent = tree.node, tree.parent.clamp(min=0)
-    x = sample(probs, u)                                                  # the target's draw after each node
+    x = sample(probs, keys)                                               # the target's draw after each node
     x_at_parent = x.gather(1, parent)
     if lantern is None:
         won = node & (x_at_parent == tree.tok)                           # siblings are distinct tokens
