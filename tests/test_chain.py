@@ -219,31 +219,34 @@ def test_what_the_chain_learnt_is_kept_for_the_next_engine(tmp_path, monkeypatch
     assert second.budget.value.tolist() == first.budget.value.tolist()
 
 
-def test_chains_stay_behind_the_longest_row_where_width_is_dear(tmp_path, monkeypatch):
-    """As tree steps do (tests/test_budget.py): where a slot of attention width costs the batch more than
-    a token saves a row (tree.py `_room`), no chain takes a row past the longest one, and rows behind it
-    still take several tokens a step. Tokens stay vanilla's."""
+def test_width_holds_tree_steps_to_the_longest_row_but_not_chains(tmp_path, monkeypatch):
+    """Where a slot of attention width costs the batch more than a token saves a row (tree.py `_room`),
+    tree steps keep every row behind the longest one (tests/test_budget.py); chain steps do not, since a
+    chain commits several tokens for the width it adds (at batch 8 on a CPU, chains held to the longest
+    row gave 1.03x vanilla and free ones 1.22x). Tokens stay vanilla's."""
     monkeypatch.setenv("ARSPEC_CACHE", str(tmp_path))
     bundle = tiny_bundle(vocab=8, grid=4, seed=1, std=0.3)
     ref = vanilla(bundle, 8)
     engine = build_engine(bundle, engine_config("adt_tree", sampling=SAMPLING, total_tokens=6, chain=5))
     with_width(engine, 0.0)
     engine.chain.costs = engine.costs
-    mixed(engine, [1], [0])
-    step, moves = engine._step, []
+    mixed(engine, [1, 0], [0])                    # chain steps, and plain ones the width may hold
+    step, moves, held = engine._step, [], []
+    room = engine._room
+    engine._room = lambda st: held.append(1) or room(st)
 
     def traced(st):
         if len(moves) == 2:
             with_width(engine, 10.0)
         before = st.log.n.clone()
         step(st)
-        moves.append((int(before.max()), int(st.log.n.max()), int((st.log.n - before).max())))
+        moves.append((int(before.max()), int(st.log.n.max())))
     engine._step = traced
     out = engine.generate(labels(8), range(100, 108))
     assert [r.tokens.tolist() for r in out] == [r.tokens.tolist() for r in ref]
     later = [m for m in moves[2:] if m[0] < engine.N]
-    assert any(hi > lo + 1 for lo, hi, _ in moves[:2]) and all(hi <= lo + 1 for lo, hi, _ in later), moves
-    assert any(most > 1 for _, _, most in later), moves
+    assert any(hi > lo + 1 for lo, hi in later), moves             # the longest row moved on by a chain
+    assert 0 < len(held) < len(moves)                                 # asked on the tree's turns only
 
 
 def test_the_engine_reports_each_chain_step_to_the_chain_budget(tmp_path, monkeypatch):

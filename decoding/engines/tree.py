@@ -45,11 +45,11 @@ from decoding.sampling import Streams, sample
 NEG = float("-inf")
 KEEP_EVERY = 256     # steps between writes of what the budget learnt (cost.keep_learnt)
 CATCH_UP_MAX = 32    # pairs a catch-up feeds the drafter at most (see _catch_up)
-# Chain steps run only where one costs at most this many plain steps (a batch moves at its slowest row's
-# pace: on this CPU a 17-token chain step commits 4.3 tokens a row at batch 1, but a batch of 8 took as many
-# steps as 2.6 tokens a step would, so chains that cost 2.4 plain steps there lost; at batch 4, 1.9, they
-# won 1.4x; the cost table put them at 2.37 and 1.92 plain steps: docs/design.md, "Chains")
-CHAIN_COST = 2.2
+# Chain steps run only where one costs at most this many plain steps by the cost table. A batch moves at
+# its slowest row's pace, which no step's goodput shows: on this CPU, where a chain step costs 2.32-2.39
+# plain steps at batch 8 and 2.55-2.57 at batch 16, chains gave 1.11x vanilla at batch 8 and 0.94x at
+# batch 16 in fixed batches (docs/design.md, "Chains")
+CHAIN_COST = 2.45
 
 
 def put_rows(buf: torch.Tensor, idx: torch.Tensor, values: torch.Tensor) -> None:
@@ -241,8 +241,10 @@ class TreeEngine(SlotEngine):
         beyond what vanilla's step does: the catch-up the drafter would need (`st.pending`, an upper bound
         over rows) is kept on the host. The one exception is `_room` on a device where attention width
         costs more than a token saves (a CPU at batch 8 and up): it reads the longest and the shortest
-        row, two scalars. Where the budgets know the next steps are plain (Budget.quiet: speculation has
-        only lost here, and the next probe is not due), they skip it all."""
+        row, two scalars; it holds tree steps only, not chains (a chain step commits several tokens for the
+        width it adds: at batch 8 on a CPU, chains held to the longest row gave 1.03x vanilla, free ones
+        1.22x, 32 prompts in the stream). Where the budgets know the next steps are plain (Budget.quiet:
+        speculation has only lost here, and the next probe is not due), they skip it all."""
         t0 = self.clock()
         active = st.log.n < self.N
         quiet, room, chain, plan = st.quiet > 0, None, 0, 0
@@ -250,17 +252,16 @@ class TreeEngine(SlotEngine):
             st.quiet -= 1
             self._hold(st)
         else:
-            room, may = self._room(st)
-            if not may:
-                self._hold(st)
+            confidence = lambda: self._confidence(st, active)          # noqa: E731
+            chain = self.chain.plan(st.R, 0, confidence) if len(st.budgets) > 1 else 0
+            if chain:
+                self.budget.hold(st.R)
             else:
-                confidence = lambda: self._confidence(st, active)      # noqa: E731
-                chain = self.chain.plan(st.R, 0, confidence) if len(st.budgets) > 1 else 0
-                plan = self.budget.hold(st.R) if chain else \
-                    min(self.budget.plan(st.R, st.pending, confidence), self.N)
+                room, may = self._room(st)
+                plan = min(self.budget.plan(st.R, st.pending, confidence), self.N) if may else self.budget.hold(st.R)
         st.step += 1
         if chain:
-            self._chain_step(st, active, chain, t0, room)
+            self._chain_step(st, active, chain, t0)
         elif plan == 0:
             self._plain_step(st, active)
             st.pending = min(st.pending + 1, CATCH_UP_MAX)
@@ -349,7 +350,7 @@ class TreeEngine(SlotEngine):
             log.commit(count, token_id=x, p_target=probs.gather(1, x[:, None])[:, 0], step=st.step, accept_len=1)
             log.target_forwards += count
 
-    def _chain_step(self, st, active, plan, t0, room=None):
+    def _chain_step(self, st, active, plan, t0):
         """Verify each row's chain (st.chain: drafts for tokens n, n + 1, ...) as a tree of width 1, the
         drafter resting; the target's draws at the chain's nodes past the accepted path become the next
         chain. A draw at node k was made after the chain's first k tokens: where the path took them all,
@@ -370,8 +371,6 @@ class TreeEngine(SlotEngine):
         chain = torch.where(drawn, st.chain.gather(1, old), log.tokens.gather(1, above).clamp(min=0))
         k = lanes + 1
         exists = active[:, None] & (k < N - n[:, None])                   # node k drafts token n - 1 + k < N - 1
-        if room is not None:
-            exists &= k <= room[:, None]
         root = log.tokens.gather(1, (n - 1).clamp(0, N - 1)[:, None]).clamp(min=0)
         col = torch.zeros_like(root)
         nan = torch.full_like(root, float("nan"), dtype=torch.float32)
