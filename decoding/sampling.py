@@ -88,8 +88,8 @@ def sample(probs: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
     Why a race and not the inverse CDF: the same key draws the same token from two nearby distributions
     far more often, whatever the order of the vocabulary. A tree engine's chain step (engines/tree.py)
     drafts the target's draws made after a prefix that may since have changed, and they are accepted
-    when the new draw, with the same key, agrees: on the shapes model at batch 1, 4.4 -> 5.2 tokens a
-    chain step, 2.11x -> 2.74x vanilla (docs/measurements.md)."""
+    when the new draw, with the same key, agrees: on the shapes model at batch 1, 4.42 -> 4.95 tokens a
+    chain step, 2.23-2.33x -> 2.56-2.67x vanilla (docs/design.md, "Chains")."""
     u = _unit(_hash(key[..., None] ^ torch.arange(probs.shape[-1], device=probs.device)))
     return (probs / -torch.log(u)).argmax(-1)
 
