@@ -13,7 +13,6 @@ import decoding.engines.tree as tree_module
 from decoding.engines import build_engine, engine_config
 from decoding.engines.base import Request
 from decoding.engines.budget import CHAIN_RUN, FLOOR_SAMPLES, PROBE_MAX, PROBE_SHARE, Budget, bucket
-from decoding.engines.tree import CHAIN_COST
 from decoding.engines.verify import draws
 from decoding.sampling import Streams, sample
 from tests.conftest import labels, tiny_bundle
@@ -189,14 +188,14 @@ def test_one_busy_chain_step_does_not_switch_chains_off():
 def test_chain_steps_run_only_where_the_cost_table_says_one_costs_at_most_chain_cost_plain_steps(
         ratio, runs, tmp_path, monkeypatch):
     """The gate on the hardware (tree.py `_chains_pay`): measured per step, chains looked like a win at
-    batch 8 on a CPU where whole images lost. Above CHAIN_COST no chain step runs, and the tree's own
+    batch 8 on a CPU where whole images lost. Above `chain_cost` no chain step runs, and the tree's own
     budget plans as it did without chains."""
     monkeypatch.setenv("ARSPEC_CACHE", str(tmp_path))
     monkeypatch.setattr(tree_module, "cost_table", lambda bundle, rows=(): table(
         lambda R, T: 10.0 * (1 + (ratio - 1) * (T - 1) / 16)))
     bundle = tiny_bundle(vocab=8, grid=4, seed=1, std=0.3)
     engine = build_engine(bundle, engine_config("adt_tree", sampling=SAMPLING, total_tokens=6, chain=16))
-    assert (engine.costs.target(16, 17) <= CHAIN_COST * engine.costs.target(16, 1)) == runs
+    assert (engine.costs.target(16, 17) <= engine.cfg.chain_cost * engine.costs.target(16, 1)) == runs
     out = engine.generate(labels(8), range(100, 108))
     ref = vanilla(bundle, 8)
     assert [r.tokens.tolist() for r in out] == [r.tokens.tolist() for r in ref]

@@ -45,11 +45,6 @@ from decoding.sampling import Streams, sample
 NEG = float("-inf")
 KEEP_EVERY = 256     # steps between writes of what the budget learnt (cost.keep_learnt)
 CATCH_UP_MAX = 32    # pairs a catch-up feeds the drafter at most (see _catch_up)
-# Chain steps run only where one costs at most this many plain steps by the cost table. A batch moves at
-# its slowest row's pace, which no step's goodput shows: on this CPU, where a chain step costs 2.32-2.39
-# plain steps at batch 8 and 2.55-2.57 at batch 16, chains gave 1.11x vanilla at batch 8 and 0.94x at
-# batch 16 in fixed batches (docs/design.md, "Chains")
-CHAIN_COST = 2.45
 
 
 def put_rows(buf: torch.Tensor, idx: torch.Tensor, values: torch.Tensor) -> None:
@@ -72,9 +67,15 @@ class TreeConfig(EngineConfig):
     # Most tokens of a chain step (0: none): the target's own draws of the step before, past its accepted
     # path, verified as a chain with the drafter resting (the drafter-free draft of the Jacobi engines,
     # matched like any tree, so the images stay vanilla's). Its own budget (budget.py) takes a chain step,
-    # ahead of the drafter's tree, where it beats a plain step and costs at most CHAIN_COST plain steps;
+    # ahead of the drafter's tree, where it beats a plain step and costs at most `chain_cost` plain steps;
     # on this CPU: at batch 1-4 (docs/design.md, "Chains").
     chain: int = 16
+    # Chain steps run only where one costs at most this many plain steps by the cost table. A batch moves
+    # at its slowest row's pace, which no step's goodput shows. On this CPU a chain step costs 2.32-2.39
+    # plain steps at batch 8 and 2.55-2.57 at batch 16 with 2 threads, 2.5 at batch 8 in the job's
+    # 1-thread actors; chains gave 1.11x vanilla at batch 8 and 0.94x at batch 16 in fixed batches, and
+    # 1.14-1.24x in the job at batch 8 (docs/design.md, "Chains").
+    chain_cost: float = 2.6
     # auto: each step verifies the number of nodes (0 = a plain step) that maximises expected tokens per
     # second for the batch, from the device's measured forward costs (budget.py); fixed: total_tokens.
     budget: str = "auto"
@@ -99,6 +100,8 @@ class TreeConfig(EngineConfig):
                 raise ValueError(f"engine.{key}={getattr(self, key)}: must be >= 1")
         if self.chain < 0:
             raise ValueError(f"engine.chain={self.chain}: must be >= 0 (0: no chain steps)")
+        if self.chain_cost <= 0:
+            raise ValueError(f"engine.chain_cost={self.chain_cost}: must be > 0 (plain steps a chain step may cost)")
         if self.total_tokens < (0 if self.budget == "fixed" and self.chain else 1):
             raise ValueError(f"engine.total_tokens={self.total_tokens}: must be >= 1 (0, the drafter off, only with "
                              f"engine.budget=fixed and engine.chain >= 1)")
@@ -281,11 +284,11 @@ class TreeEngine(SlotEngine):
             b.hold(st.R)
 
     def _chains_pay(self, R: int) -> bool:
-        """Whether chain steps may run over R cache rows: where one costs at most CHAIN_COST plain steps
+        """Whether chain steps may run over R cache rows: where one costs at most `chain_cost` plain steps
         (the cost table), or always where the drafter is off (budget=fixed, total_tokens=0)."""
         if self.chain is None or self.costs is None:
             return self.chain is not None
-        return self.costs.target(R, 1 + self.cfg.chain) <= CHAIN_COST * self.costs.target(R, 1)
+        return self.costs.target(R, 1 + self.cfg.chain) <= self.cfg.chain_cost * self.costs.target(R, 1)
 
     def _learnt(self) -> dict:
         state = self.budget.state()
