@@ -7,7 +7,6 @@ checked here against the draws a cache-free target makes after the prefix and th
 from __future__ import annotations
 
 import pytest
-import torch
 
 import decoding.engines.tree as tree_module
 from decoding.engines import build_engine, engine_config
@@ -59,7 +58,7 @@ def mixed(engine, chain_pattern, tree_pattern):
     (1: a chain step), the tree's through tree_pattern where the chain's says 0."""
     engine._chains_pay = lambda R: True
     calls = iter(range(10**9))
-    engine.chain.plan = lambda R, pending, confidence=None: chain_pattern[next(calls) % len(chain_pattern)]
+    engine.chain_budget.plan = lambda R, pending, confidence=None: chain_pattern[next(calls) % len(chain_pattern)]
     alternate(engine, tree_pattern)
 
 
@@ -209,12 +208,12 @@ def test_what_the_chain_learnt_is_kept_for_the_next_engine(tmp_path, monkeypatch
     bundle = tiny_bundle(vocab=8, grid=4, seed=1, std=0.3)
     first = build_engine(bundle, engine_config("adt_tree", sampling=SAMPLING, total_tokens=6, chain=16))
     st = first._start(2)
-    first.chain.goodput(st.R).wait = 96
-    first.chain.value[:] = 3.5
+    first.chain_budget.goodput(st.R).wait = 96
+    first.chain_budget.value[:] = 3.5
     tree_module.keep_learnt(first.costs.key, first._learnt())
     second = build_engine(bundle, engine_config("adt_tree", sampling=SAMPLING, total_tokens=6, chain=16))
     second._start(2)
-    assert second.chain.value.tolist() == [3.5] and second.chain.goodput(st.R).wait == 96
+    assert second.chain_budget.value.tolist() == [3.5] and second.chain_budget.goodput(st.R).wait == 96
     assert second.budget.value.tolist() == first.budget.value.tolist()
 
 
@@ -228,7 +227,7 @@ def test_width_holds_tree_steps_to_the_longest_row_but_not_chains(tmp_path, monk
     ref = vanilla(bundle, 8)
     engine = build_engine(bundle, engine_config("adt_tree", sampling=SAMPLING, total_tokens=6, chain=5))
     with_width(engine, 0.0)
-    engine.chain.costs = engine.costs
+    engine.chain_budget.costs = engine.costs
     mixed(engine, [1, 0], [0])                    # chain steps, and plain ones the width may hold
     step, moves, held = engine._step, [], []
     room = engine._room
@@ -257,10 +256,10 @@ def test_the_engine_reports_each_chain_step_to_the_chain_budget(tmp_path, monkey
     engine = build_engine(bundle, engine_config("adt_tree", sampling=SAMPLING, total_tokens=6, chain=5))
     mixed(engine, [1, 0], [0])
     verdicts, seen = [], []
-    record, observe = engine._record, engine.chain.observe
+    record, observe = engine._record, engine.chain_budget.observe
     engine._record = lambda log, tree, v, active, *a: verdicts.append((v.accepted.clone(), active.clone())) or \
         record(log, tree, v, active, *a)
-    engine.chain.observe = lambda R, K, ms, fwd, tokens=1.0, by_rank=None, *a, **k: (
+    engine.chain_budget.observe = lambda R, K, ms, fwd, tokens=1.0, by_rank=None, *a, **k: (
         seen.append((K, tokens, None if by_rank is None else float(by_rank[0]))), observe(R, K, ms, fwd, tokens, by_rank, *a, **k))
     engine.generate(labels(6), range(100, 106))
     chain_seen = [s for s in seen if s[0] > 0]
@@ -268,4 +267,12 @@ def test_the_engine_reports_each_chain_step_to_the_chain_budget(tmp_path, monkey
     assert len(chain_seen) == len(want) > 5
     assert [t for _, t, _ in chain_seen] == pytest.approx(want) and [v for *_, v in chain_seen] == pytest.approx(
         [w - 1 for w in want])
-    assert engine.chain.costs is engine.costs and 12 in engine.costs.rows      # 6 prompts, CFG
+    assert engine.chain_budget.costs is engine.costs and 12 in engine.costs.rows      # 6 prompts, CFG
+
+
+@pytest.mark.parametrize("bad, message", [
+    (dict(chain=-1), "engine.chain=-1"), (dict(chain_cost=0.0), "engine.chain_cost=0.0"),
+    (dict(total_tokens=0), "engine.total_tokens=0"), (dict(total_tokens=0, chain=0, budget="fixed"), "engine.total_tokens=0")])
+def test_bad_chain_settings_are_refused_in_one_line(bad, message):
+    with pytest.raises(ValueError, match=message.replace(".", r"\.")):
+        engine_config("adt_tree", **bad)

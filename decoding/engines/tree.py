@@ -151,7 +151,7 @@ class TreeEngine(SlotEngine):
         self.costs = cost_table(bundle, rows=()) if cfg.budget == "auto" else None   # rows: on _start
         self.budget = Budget(self.costs, cfg.total_tokens, self.max_shape()[1])
         # chain steps: chosen by their own budget (auto), or every step where the drafter is off (fixed)
-        self.chain = Budget(self.costs, 0, 1, chain=cfg.chain) \
+        self.chain_budget = Budget(self.costs, 0, 1, chain=cfg.chain) \
             if cfg.chain and (cfg.budget == "auto" or cfg.total_tokens == 0) else None
         # The budget's step clock. On a CPU, the engine thread's CPU time: the time the step's work took,
         # without the time the thread waited for a core (other actors, Ray's own processes), which
@@ -179,13 +179,13 @@ class TreeEngine(SlotEngine):
         R, L, N, dev = (2 * slots if self.sampling.use_cfg else slots), self.L, self.N, self.device
         if self.costs is not None and R not in self.costs.rows:          # this batch's row count: measure it
             self.costs = self.budget.costs = cost_table(self.bundle, rows=(R,))
-            if self.chain is not None:
-                self.chain.costs = self.costs
+            if self.chain_budget is not None:
+                self.chain_budget.costs = self.costs
         if self.costs is not None and not self.budget.measured:          # start from what the last engine learnt
             state = learnt(self.costs.key) or {}
             self.budget.restore(state)
-            if self.chain is not None:
-                self.chain.restore(state.get("chain"))
+            if self.chain_budget is not None:
+                self.chain_budget.restore(state.get("chain"))
         d_max, w_max = self.max_shape()
         log = TokenLog(slots, N, self.G, dev)
         log.n[:] = N                                                       # empty slots are finished rows
@@ -206,7 +206,7 @@ class TreeEngine(SlotEngine):
             chain_at=torch.zeros(slots, dtype=torch.long, device=dev),
             pending=0,                                                     # most pairs a row's drafter lags by
             quiet=0,                                                       # plain steps left that need no budget
-            budgets=[self.budget] + ([self.chain] if self._chains_pay(R) else []))
+            budgets=[self.budget] + ([self.chain_budget] if self._chains_pay(R) else []))
 
     def _admit(self, st, rows, cond, seeds):
         """Prefill new prompts, draw their first token, run the drafter over their condition prefix."""
@@ -216,8 +216,8 @@ class TreeEngine(SlotEngine):
         st.keys[rows] = draws(st.streams, self.N)[rows]
         st.policy.reset(rows)
         self.budget.admit(st.R)
-        if self.chain is not None:
-            self.chain.admit(st.R)
+        if self.chain_budget is not None:
+            self.chain_budget.admit(st.R)
         feats, cond_emb = self.prefill(st.target, cond, rows, st.slots)
         p0 = self.target_probs(feats[:, -1])
         x0 = sample(p0, st.keys[rows, 0])
@@ -256,7 +256,7 @@ class TreeEngine(SlotEngine):
             self._hold(st)
         else:
             confidence = lambda: self._confidence(st, active)          # noqa: E731
-            chain = self.chain.plan(st.R, 0, confidence) if len(st.budgets) > 1 else 0
+            chain = self.chain_budget.plan(st.R, 0, confidence) if len(st.budgets) > 1 else 0
             if chain:
                 self.budget.hold(st.R)
             else:
@@ -286,14 +286,14 @@ class TreeEngine(SlotEngine):
     def _chains_pay(self, R: int) -> bool:
         """Whether chain steps may run over R cache rows: where one costs at most `chain_cost` plain steps
         (the cost table), or always where the drafter is off (budget=fixed, total_tokens=0)."""
-        if self.chain is None or self.costs is None:
-            return self.chain is not None
+        if self.chain_budget is None or self.costs is None:
+            return self.chain_budget is not None
         return self.costs.target(R, 1 + self.cfg.chain) <= self.cfg.chain_cost * self.costs.target(R, 1)
 
     def _learnt(self) -> dict:
         state = self.budget.state()
-        if self.chain is not None:
-            state["chain"] = self.chain.state()
+        if self.chain_budget is not None:
+            state["chain"] = self.chain_budget.state()
         return state
 
     def _confidence(self, st, active, last: int = 8) -> float:
@@ -398,7 +398,7 @@ class TreeEngine(SlotEngine):
             st.chain_at = log.n.clone()
         if costs is not None and bool(active.any()):
             drafts = float(v.accepted[active].float().mean())
-            self.chain.observe(st.R, plan, 1000 * (self.clock() - t0), costs.target(st.R, 1 + K), 1 + drafts,
+            self.chain_budget.observe(st.R, plan, 1000 * (self.clock() - t0), costs.target(st.R, 1 + K), 1 + drafts,
                                np.array([drafts]))
 
     def _spec_step(self, st, active, plan, t0, room=None):
@@ -452,7 +452,7 @@ class TreeEngine(SlotEngine):
         whole backlog cost the return to speculation 361 ms at batch 16 after 227 plain steps, 14 plain
         steps' worth, at the end of an image that could not repay it. Drafts only propose: the tokens
         stay the target's whatever the drafter saw."""
-        log, L, N = st.log, self.L, self.N
+        log, N = st.log, self.N
         todo = torch.where(active, log.n - 1 - st.dn, 0)                   # pairs per row
         skip = (todo - CATCH_UP_MAX).clamp(min=0)                          # older pairs stay unseen
         st.dn, todo = st.dn + skip, todo - skip
