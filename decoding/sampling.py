@@ -138,6 +138,10 @@ class Streams:
         """Give rows [k] the streams of new prompts (a slot of a continuous batch takes a new prompt)."""
         self.key[rows] = self._keys(seeds)
 
+    def copy_rows(self, old: "Streams", dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Rows dst continue old's rows src (an engine regrouped its batch)."""
+        self.key[dst] = old.key[src]
+
     def __len__(self) -> int:
         return len(self.key)
 

@@ -80,14 +80,24 @@ def path_to(tok, parent, b: int, j: int) -> list[int]:
 
 
 def record_verifications(engine) -> list:
-    """Wrap the engine's verify forward: keep (tree, P, probs) of every step."""
-    calls, forward = [], engine._verify_forward
+    """Wrap the engine's verify forward: keep (tok, parent, depth, q, P, probs, the image in each row) of
+    every step. The
+    stream regroups its last rows into fewer (base.SlotEngine.stream): `where[b]` follows them, so
+    every verify forward after a regroup is checked too (the K/V each row took with it)."""
+    calls, forward, resize = [], engine._verify_forward, engine._resize
+    where = []
 
     def spy(target, tree, P):
         probs, f = forward(target, tree, P)
-        calls.append((tree.tok.clone(), tree.parent.clone(), tree.depth.clone(), P.clone(), probs.clone()))
+        where[:] = where or list(range(len(P)))                          # generate: prompt b starts in row b
+        calls.append((tree.tok.clone(), tree.parent.clone(), tree.depth.clone(), tree.q.clone(), P.clone(), probs.clone(),
+                      list(where)))
         return probs, f
-    engine._verify_forward = spy
+
+    def regroup(st, keep, slots):
+        where[:] = [where[b] for b in keep] + [None] * (slots - len(keep))
+        return resize(st, keep, slots)
+    engine._verify_forward, engine._resize = spy, regroup
     return calls
 
 
@@ -102,23 +112,25 @@ def test_every_verified_distribution_matches_a_cache_free_forward(variant, model
     final = [r.tokens.tolist() for r in results]
     L, N, sp = engine.L, engine.N, engine.sampling
 
-    rows, seqs, got, moved = [], [], [], 0
-    for tok, parent, depth, P, probs in calls:
-        for b in range(B):
+    rows, seqs, got, moved, regrouped = [], [], [], 0, 0
+    for tok, parent, depth, q, P, probs, where in calls:
+        for b, image in enumerate(where):
             n = int(P[b]) - L + 1
-            if not 1 <= n < N:
+            if image is None or not 1 <= n < N:
                 continue                                   # a finished row rides along (parked: P = 0)
+            regrouped += len(where) < B
             for j in range(tok.shape[1]):
                 if j and parent[b, j] < 0:
                     continue                               # padding
-                rows.append(b)
-                seqs.append(final[b][:n] + path_to(tok, parent, b, j))
+                rows.append(image)
+                seqs.append(final[image][:n] + path_to(tok, parent, b, j))
                 got.append(probs[b, j])
         moved += int(sum(r.records["accept_len"].max() > 1 for r in results))
     want = oracle(bundle, cond, rows, seqs, sp)
     diff = (torch.stack(got) - want).abs().max().item()
     assert diff < 2e-5, f"{variant}: a verify-time distribution differs from the cache-free forward by {diff:.3g}"
     assert len(seqs) > 100 and moved > 0                   # many nodes checked, and drafts were accepted
+    assert regrouped > 0                                   # some of them in rows the stream had regrouped
 
     # the recorded p_target of every committed token is the oracle's probability of that token
     rows = [b for b in range(B) for i in range(N)]
@@ -133,17 +145,17 @@ def test_every_verified_distribution_matches_a_cache_free_forward(variant, model
 
 def _accepted_off_first_lane(calls, results, L, B):
     """Per step and row: did the accepted path use a node whose block index is not its depth?"""
-    for tok, parent, depth, P, probs in calls:
-        for b in range(B):
+    for tok, parent, depth, q, P, probs, where in calls:
+        for b, image in enumerate(where):
             n = int(P[b]) - L + 1
-            if not 1 <= n < len(results[b].tokens):
+            if image is None or not 1 <= n < len(results[image].tokens):
                 continue
-            committed = results[b].tokens.tolist()
+            committed = results[image].tokens.tolist()
             for j in range(1, tok.shape[1]):
                 if parent[b, j] < 0 or int(depth[b, j]) == j:
                     continue
                 path = path_to(tok, parent, b, j)
-                if committed[n: n + len(path)] == path and results[b].records["accepted"][n: n + len(path)].all():
+                if committed[n: n + len(path)] == path and results[image].records["accepted"][n: n + len(path)].all():
                     yield True
 
 
@@ -154,7 +166,7 @@ def drafter_oracle(bundle, cond: Conditions, b: int, committed: list[int], path:
     cache-free. Slot s < L + n - 1 pairs the target's feature at position s with the embedding of the
     input at s + 1 (a condition position, then token s + 1 - L); each path token x_j is paired with the
     drafter's own prediction at the slot before it (EAGLE's drafting). RoPE position = slot + 1."""
-    gpt, drafter, L = bundle.gpt, bundle.drafter, bundle.gpt.args.cls_token_num
+    gpt, drafter = bundle.gpt, bundle.drafter
     feats, mask = cond.features[[b, b]], None if cond.mask is None else cond.mask[[b, b]]
     cond_emb = gpt.embed_condition(feats, torch.tensor([False, True]))
     tokens = torch.tensor([committed, committed])
@@ -171,33 +183,22 @@ def drafter_oracle(bundle, cond: Conditions, b: int, committed: list[int], path:
     return filtered_probs(cfg_combine(gpt.logits(h[:, None]), sp), sp)[0, 0]
 
 
-def record_drafts(engine) -> list:
-    """Wrap the engine's verify forward: keep (tok, parent, q, P) of every verified tree."""
-    calls, verify_forward = [], engine._verify_forward
-
-    def spy(target, tree, P):
-        calls.append((tree.tok.clone(), tree.parent.clone(), tree.q.clone(), P.clone()))
-        return verify_forward(target, tree, P)
-    engine._verify_forward = spy
-    return calls
-
-
 @pytest.mark.parametrize("pattern", [[12], [0, 0, 12]])
 @pytest.mark.parametrize("model_type", ["c2i", "t2i"])
 def test_every_drafted_probability_matches_a_cache_free_drafter(model_type, pattern):
     bundle = tiny_bundle(vocab=8, grid=4, seed=1, std=0.3, model_type=model_type)
     engine = build_engine(bundle, engine_config("eagle2", sampling=SAMPLING, **ENGINES["eagle2"]))
     alternate(engine, pattern)
-    calls = record_drafts(engine)
+    calls = record_verifications(engine)
     cond = conditions(bundle, model_type)
     results = engine.generate(cond, list(range(100, 100 + B)))
     final = [r.tokens.tolist() for r in results]
     L, N, sp = engine.L, engine.N, engine.sampling
     worst, checked, deep = 0.0, 0, 0
-    for tok, parent, q, P in calls:
-        for b in range(B):
+    for tok, parent, depth, q, P, probs, where in calls:
+        for b, image in enumerate(where):
             n = int(P[b]) - L + 1
-            if not 1 <= n < N:
+            if image is None or not 1 <= n < N:
                 continue
             want = {}
             for j in range(1, tok.shape[1]):
@@ -205,7 +206,7 @@ def test_every_drafted_probability_matches_a_cache_free_drafter(model_type, patt
                     continue                                         # padding
                 key = tuple(path_to(tok, parent, b, int(parent[b, j])))
                 if key not in want:
-                    want[key] = drafter_oracle(bundle, cond, b, final[b][:n], list(key), sp)
+                    want[key] = drafter_oracle(bundle, cond, image, final[image][:n], list(key), sp)
                 worst = max(worst, abs(float(q[b, j]) - float(want[key][tok[b, j]])))
                 checked, deep = checked + 1, deep + (len(key) > 0)
     assert worst < 1e-4, f"a drafted probability differs from the cache-free drafter by {worst:.3g}"

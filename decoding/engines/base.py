@@ -10,6 +10,7 @@ import itertools
 import threading
 import time
 from collections import deque
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Iterable, Iterator
 
@@ -69,6 +70,21 @@ def parked(slots: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
     return torch.where(live[:, None], slots, torch.arange(slots.shape[1], device=slots.device))
 
 
+@contextmanager
+def caches_kept(*models):
+    """Leave the models' K/V buffers as they were after the block (cost.measure sets up its own: an
+    engine that measures a new batch shape mid-stream keeps its rows' K/V)."""
+    saved = [(m, [layer.attention.kv_cache for layer in m.layers], getattr(m, "_cache_key", None))
+             for m in models if m is not None]
+    try:
+        yield
+    finally:
+        for m, caches, key in saved:
+            for layer, cache in zip(m.layers, caches):
+                layer.attention.kv_cache = cache
+            m._cache_key = key
+
+
 class CachedModel:
     """A model with a static KV cache over R rows and, per row, the set of committed (visible) slots."""
 
@@ -76,11 +92,24 @@ class CachedModel:
         self.model = model
         if model.rope.device.type == "cpu":  # bf16 attention on a CPU is ~10x slower than fp32 at one
             dtype = torch.float32             # query per row (bench: forward_costs); K/V are tiny anyway
-        key = (rows, seq_len, dtype)
-        if getattr(model, "_cache_key", None) != key:  # reuse buffers between batches of one shape
+        have = getattr(model, "_cache_key", None)
+        # reuse the buffers of as many rows or more (a forward uses the first rows): between batches of
+        # one shape, and when a stream regroups its rows into fewer (SlotEngine._regroup), which keeps the
+        # K/V in place
+        if have is None or have[1:] != (seq_len, dtype) or have[0] < rows:
             model.setup_caches(rows, seq_len, dtype)
-            model._cache_key = key
+            model._cache_key = (rows, seq_len, dtype)
         self.valid = torch.zeros(rows, seq_len, dtype=torch.bool, device=model.rope.device)
+
+    def copy_rows(self, old: "CachedModel", dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Cache rows dst continue old's rows src (old: a CachedModel of the same model, whose K/V buffers
+        this one shares): the visible slots and, in every layer, the K/V up to the last visible one."""
+        seen = old.valid[src]
+        self.valid[dst] = seen
+        width = int(seen.any(0).nonzero().max()) + 1 if bool(seen.any()) else 0
+        for cache in self.model.caches():
+            cache.k[dst, :, :width] = cache.k[src, :, :width]               # (the gather copies first)
+            cache.v[dst, :, :width] = cache.v[src, :, :width]
 
     def commit(self, slots: torch.Tensor, keep: torch.Tensor | None = None):
         rows = torch.arange(slots.shape[0], device=slots.device)[:, None].expand_as(slots)
@@ -105,6 +134,12 @@ class Request:
     cond: Conditions
     seed: int
     key: Any = None
+
+
+class _Row:
+    """What a stream knows of the image a row decodes: its request, and its share of the engine's time."""
+    def __init__(self, req: Request, wall: float):
+        self.req, self.wall, self.phases = req, wall, {}
 
 
 @dataclass
@@ -141,13 +176,23 @@ class RequestQueue:
                 self._cv.wait()
             return [self._items.popleft() for _ in range(min(n, len(self._items)))]
 
+    def waiting(self) -> bool:
+        """Whether a request is there to take now."""
+        with self._cv:
+            return bool(self._items)
+
 
 class _Iterated:
     def __init__(self, requests: Iterable[Request]):
-        self._it = iter(requests)
+        self._it, self._next = iter(requests), []
 
     def take(self, n: int, wait: bool) -> list[Request]:
-        return list(itertools.islice(self._it, n))
+        got, self._next = self._next[:n], self._next[n:]
+        return got + list(itertools.islice(self._it, n - len(got)))
+
+    def waiting(self) -> bool:
+        self._next = self._next or list(itertools.islice(self._it, 1))
+        return bool(self._next)
 
 
 def requests_of(requests) -> RequestQueue | _Iterated:
@@ -296,22 +341,29 @@ class SlotEngine(Engine):
     def stream(self, requests, slots: int) -> Iterator[Outcome]:
         """Decode requests (an iterable or a RequestQueue) in `slots` rows, refilling each row as soon as
         its image is done. Yields one Outcome per request, in the order they finish. Each image's wall_s
-        is its share of the engine's time: every step's time split among the rows it advanced."""
+        is its share of the engine's time: every step's time split among the rows it advanced.
+
+        When no request waits and at most half the rows are busy, the busy rows regroup into a batch of
+        half as many rows (or a quarter, ...: `_regroup`), and back to `slots` when requests come again.
+        Every row of a batch is computed, busy or not: at the end of a stream the rows still decoding
+        would otherwise pay for all of them (a speculative engine's rows finish at different steps, and
+        a fixed batch of 16 on a CPU spent its last third on a few rows at the cost of 16)."""
         source = requests_of(requests)
-        owner: list[Request | None] = [None] * slots
-        wall = [0.0] * slots
-        phases: list[dict] = [dict() for _ in range(slots)]
-        state = None
+        state, rows = None, []                        # rows[b]: the image row b decodes (None: free)
         while True:
             if state is None:
-                state = self._start(slots)
-            free = [b for b in range(slots) if owner[b] is None]
-            idle = len(free) == slots
-            if free and not idle and self._stays_in_step(state, owner):
-                free = []                                    # the free rows wait: the batch restarts together
-            new = list(zip(free, source.take(len(free), wait=idle)))
-            if idle and not new:
+                state, rows = self._start(slots), [None] * slots
+            busy = [b for b, row in enumerate(rows) if row is not None]
+            idle = not busy
+            room = slots - len(busy)                         # prompts it can take, regrouping to `slots` rows
+            if room and not idle and self._stays_in_step(state, rows):
+                room = 0                                     # the free rows wait: the batch restarts together
+            taken = source.take(room, wait=idle) if room else []
+            if idle and not taken:
                 return
+            if len(taken) > state.slots - len(busy):         # more than a regrouped batch has rows: regroup up
+                state, rows = self._regroup(state, rows, busy, slots)
+            new = list(zip([b for b, row in enumerate(rows) if row is None], taken))
             if new:
                 t0 = time.perf_counter()
                 failed = self._admit_all(state, new)
@@ -319,8 +371,8 @@ class SlotEngine(Engine):
                     if r.key in failed:                       # this prompt fails; its row stays free
                         yield Outcome(r.key, error=failed[r.key])
                     else:
-                        owner[b], wall[b], phases[b] = r, (time.perf_counter() - t0) / len(new), {}
-            busy = [b for b in range(slots) if owner[b] is not None]
+                        rows[b] = _Row(r, (time.perf_counter() - t0) / len(new))
+            busy = [b for b, row in enumerate(rows) if row is not None]
             if not busy:
                 continue                                     # every new prompt failed: take more
             log = state.log
@@ -333,34 +385,80 @@ class SlotEngine(Engine):
                         self._step(state)
                 except Exception as e:                       # the step failed: every prompt in it fails
                     for b in busy:
-                        yield Outcome(owner[b].key, error=f"{type(e).__name__}: {e}")
-                        owner[b] = None
+                        yield Outcome(rows[b].req.key, error=f"{type(e).__name__}: {e}")
                     state = None
                     continue
                 share = (time.perf_counter() - t0) / len(stepping)
                 for b in stepping:
-                    wall[b] += share
+                    rows[b].wall += share
                     for k, v in log.phase_s.items():
-                        phases[b][k] = phases[b].get(k, 0.0) + (v - before.get(k, 0.0)) / len(stepping)
+                        rows[b].phases[k] = rows[b].phases.get(k, 0.0) + (v - before.get(k, 0.0)) / len(stepping)
                 done = (log.n >= self.N).tolist()
             for b in busy:
                 if done[b]:
-                    yield Outcome(owner[b].key, self._result(state, b, owner[b], wall[b], phases[b]))
-                    owner[b] = None
+                    yield Outcome(rows[b].req.key, self._result(state, b, rows[b].req, rows[b].wall, rows[b].phases))
+                    rows[b] = None
+            busy = [b for b in busy if rows[b] is not None]
+            if busy and len(busy) <= state.slots // 2 and not source.waiting():
+                size = state.slots
+                while len(busy) <= size // 2:
+                    size //= 2
+                state, rows = self._regroup(state, rows, busy, size)
+
+    def _regroup(self, state, rows: list, keep: list, slots: int):
+        """A batch of `slots` rows whose first rows continue the rows `keep` of `state`, and the stream's
+        rows likewise; the rest are free. The time it takes is the kept images' share."""
+        t0 = time.perf_counter()
+        new = self._resize(state, keep, slots)
+        for b in keep:
+            rows[b].wall += (time.perf_counter() - t0) / len(keep)
+        return new, [rows[b] for b in keep] + [None] * (slots - len(keep))
+
+    # What an engine's state carries over a regroup besides its rows (`_resize`): counters, not rows.
+    carried: ClassVar[tuple] = ()
+
+    def _resize(self, old, keep: list, slots: int):
+        """A fresh state of `slots` rows (`_start`) whose rows 0..k-1 continue old's rows `keep`. Every
+        tensor of a state is per row, [old.slots, ...] or per cache row, [R, ...] (with CFG the cache rows
+        are [cond; uncond], base.Engine.cache_rows); objects with rows (the token log, the streams, the
+        caches, a tree policy) copy theirs with `copy_rows`. Names in `carried` carry over as they are."""
+        new = self._start(slots)
+        src = torch.tensor(keep, dtype=torch.long, device=self.device)
+        dst = torch.arange(len(keep), device=self.device)
+        csrc, cdst = self.cache_rows(src, old.slots), self.cache_rows(dst, slots)
+        R = 2 * old.slots if self.sampling.use_cfg else old.slots
+        for name, value in vars(old).items():
+            mine = getattr(new, name, None)
+            if isinstance(value, CachedModel):
+                mine.copy_rows(value, cdst, csrc)
+            elif hasattr(value, "copy_rows"):
+                mine.copy_rows(value, dst, src)
+            elif torch.is_tensor(value) and value.dim() and value.shape[0] in (old.slots, R):
+                per_slot = value.shape[0] == old.slots
+                rows = slots if per_slot else len(self.cache_rows(torch.arange(slots), slots))
+                if mine is None:
+                    mine = value.new_zeros((rows,) + value.shape[1:])
+                    setattr(new, name, mine)
+                mine[dst if per_slot else cdst] = value[src if per_slot else csrc]
+            elif torch.is_tensor(value) and value.dim():
+                raise ValueError(f"{type(self).__name__} state.{name} {tuple(value.shape)}: not per row")
+            elif name in self.carried:
+                setattr(new, name, value)
+        return new
 
     def refill_wait(self) -> int:
         """Tokens a free row waits for the batch's busy rows to finish before it takes a new prompt (0:
         never waits). Engines whose rows drift apart override it (tree.py)."""
         return 0
 
-    def _stays_in_step(self, state, owner) -> bool:
+    def _stays_in_step(self, state, rows) -> bool:
         """True when every busy row finishes within refill_wait() tokens: refilling now would start a new
         prompt that many steps behind the others, and then every step of the batch pays for it."""
         wait = self.refill_wait()
         if wait <= 0:
             return False
         n = state.log.n.tolist()
-        return max(self.N - n[b] for b, o in enumerate(owner) if o is not None) <= wait
+        return max(self.N - n[b] for b, row in enumerate(rows) if row is not None) <= wait
 
     def _admit_all(self, state, new: list) -> dict:
         """Admit [(row, request)] together; if that fails, one by one, so that only the prompts that fail

@@ -94,6 +94,12 @@ def cache_key(bundle) -> str:
 def measure(bundle, rows=ROWS, tokens=TOKENS, reps: int = 3) -> CostTable:
     """Median ms per forward over a grid of (rows, tokens), after a committed prefix as long as the
     condition and half an image (the average position of a step)."""
+    from decoding.engines.base import caches_kept
+    with caches_kept(bundle.gpt, bundle.drafter):
+        return _measure(bundle, rows, tokens, reps)
+
+
+def _measure(bundle, rows, tokens, reps: int) -> CostTable:
     from decoding.engines.base import CachedModel, visible
     out = {}
     a = bundle.gpt.args

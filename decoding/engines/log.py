@@ -83,6 +83,15 @@ class TokenLog:
         self.col("cell")[rows, : self.N] = torch.arange(self.N, device=self.device)
         self.n[rows], self.target_forwards[rows], self.draft_forwards[rows] = 0, 0, 0
 
+    def copy_rows(self, old: "TokenLog", dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Rows dst continue old's rows src, records and counts (an engine regrouped its batch); the phase
+        times carry over."""
+        for g, store in self.groups.items():
+            store[dst] = old.groups[g][src]
+        for name in ("n", "target_forwards", "draft_forwards"):
+            getattr(self, name)[dst] = getattr(old, name)[src]
+        self.phase_s = dict(old.phase_s)
+
     def col(self, name: str) -> torch.Tensor:
         """[B, N + 1] view of one column (the last position is scratch)."""
         g, i = self.slot[name]

@@ -32,6 +32,9 @@ class FixedShape:
     def reset(self, rows) -> None:
         pass
 
+    def copy_rows(self, old: "FixedShape", dst, src) -> None:
+        pass                                                               # every row plans the same
+
 
 def bisect(d, w, alpha, beta: float, bounds):
     """One bisection step of (d, w) toward the bounds: deeper and narrower where α ≥ β."""
@@ -75,6 +78,11 @@ class AdjacencyAdaptive:
         self.row[rows] = -1
         self.row_start[rows] = self.default
         self.first[rows] = False
+
+    def copy_rows(self, old: "AdjacencyAdaptive", dst, src) -> None:
+        """Rows dst continue old's rows src (the engine regrouped its batch: base.SlotEngine._regroup)."""
+        for name in ("state", "row", "row_start", "first"):
+            getattr(self, name)[dst] = getattr(old, name)[src]
 
     def update(self, d, w, accepted_drafts, active, drafted=None) -> None:
         """After verifying trees planned as (d, w): α = accepted drafts / the depth actually drafted

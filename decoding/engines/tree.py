@@ -140,6 +140,7 @@ class ADTTreeConfig(TreeConfig):
 
 class TreeEngine(SlotEngine):
     uses_drafter = True
+    carried = ("step", "pending")          # the step clock (the log's step column) and the drafter's lag
 
     def __init__(self, bundle, cfg: TreeConfig):
         super().__init__(bundle, cfg)
