@@ -68,14 +68,15 @@ class TreeConfig(EngineConfig):
     # path, verified as a chain with the drafter resting (the drafter-free draft of the Jacobi engines,
     # matched like any tree, so the images stay vanilla's). Its own budget (budget.py) takes a chain step,
     # ahead of the drafter's tree, where it beats a plain step and costs at most `chain_cost` plain steps;
-    # on this CPU: at batch 1-8 (docs/design.md, "Chains").
+    # on this CPU: at batch 1-16 (docs/design.md, "Chains").
     chain: int = 16
-    # Chain steps run only where one costs at most this many plain steps by the cost table. A batch moves
-    # at its slowest row's pace, which no step's goodput shows. On this CPU with 2 threads a chain step
-    # costs 2.32-2.39 plain steps at batch 8 and 2.55-2.57 at batch 16, and chains gave 1.11x vanilla at
-    # batch 8 and 0.94x at batch 16 in fixed batches. The job's 1-thread actors measure 2.4-2.8 at batch
-    # 8, where chains gave 1.14-1.24x with engine.chain_cost=3 (docs/design.md, "Chains").
-    chain_cost: float = 2.45
+    # Chain steps run only where one costs at most this many plain steps by the cost table: a chain step
+    # commits 4.8 tokens per row on average on the shapes model, so at a higher cost it cannot pay, and its
+    # probes only lose. On this CPU a chain step costs 2.3-2.6 plain steps (2 threads, batch 8-16) and
+    # 2.4-2.8 (1 thread, batch 8). The gate sat at 2.45 while fixed batches lost at batch 16 on their last
+    # rows (0.875x with chains); regrouping the last rows into a smaller batch (base.SlotEngine.stream)
+    # made chains win there (1.08x), so it no longer has to keep chains from a batch size.
+    chain_cost: float = 4.0
     # auto: each step verifies the number of nodes (0 = a plain step) that maximises expected tokens per
     # second for the batch, from the device's measured forward costs (budget.py); fixed: total_tokens.
     budget: str = "auto"
