@@ -426,20 +426,19 @@ class SlotEngine(Engine):
         src = torch.tensor(keep, dtype=torch.long, device=self.device)
         dst = torch.arange(len(keep), device=self.device)
         csrc, cdst = self.cache_rows(src, old.slots), self.cache_rows(dst, slots)
-        R = 2 * old.slots if self.sampling.use_cfg else old.slots
+        per = 2 if self.sampling.use_cfg else 1                           # cache rows per prompt row
         for name, value in vars(old).items():
             mine = getattr(new, name, None)
             if isinstance(value, CachedModel):
                 mine.copy_rows(value, cdst, csrc)
             elif hasattr(value, "copy_rows"):
                 mine.copy_rows(value, dst, src)
-            elif torch.is_tensor(value) and value.dim() and value.shape[0] in (old.slots, R):
-                per_slot = value.shape[0] == old.slots
-                rows = slots if per_slot else len(self.cache_rows(torch.arange(slots), slots))
-                if mine is None:
-                    mine = value.new_zeros((rows,) + value.shape[1:])
+            elif torch.is_tensor(value) and value.dim() and value.shape[0] in (old.slots, per * old.slots):
+                by_slot = value.shape[0] == old.slots
+                if mine is None:                                             # (vanilla's probs before a step)
+                    mine = value.new_zeros(((1 if by_slot else per) * slots,) + value.shape[1:])
                     setattr(new, name, mine)
-                mine[dst if per_slot else cdst] = value[src if per_slot else csrc]
+                mine[dst if by_slot else cdst] = value[src if by_slot else csrc]
             elif torch.is_tensor(value) and value.dim():
                 raise ValueError(f"{type(self).__name__} state.{name} {tuple(value.shape)}: not per row")
             elif name in self.carried:
