@@ -85,7 +85,7 @@ class Generator:
 
     def run(self, part: str, items: list[dict]) -> PartResult:
         """Generate one batch of prompts and commit it as part `part`. A failing prompt becomes an error row."""
-        t0, started = time.perf_counter(), time.time()
+        started = time.time()
         job = _Part(items)
         requests = []
         try:

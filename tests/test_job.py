@@ -165,7 +165,7 @@ def test_killed_driver_resumes_with_no_duplicates_and_identical_bytes(ray_cluste
     assert _cli(*args, f"out_dir={tmp_path / 'cut'}").returncode == 0
     assert _cli(*args, f"out_dir={tmp_path / 'whole'}").returncode == 0
     cut, whole = images(tmp_path / "cut"), images(tmp_path / "whole")
-    assert len(cut) == 30 and cut.prompt_id.is_unique
+    assert len(cut) == len(whole) == 30 and cut.prompt_id.is_unique
     assert image_bytes(tmp_path / "cut") == image_bytes(tmp_path / "whole")
     tokens = pq.read_table(tmp_path / "cut" / "tokens").to_pandas()
     assert len(tokens) == 30 * 16                       # no orphan or duplicate token rows

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pickle
 
-import numpy as np
 import pytest
 import torch
 
@@ -16,7 +15,7 @@ from decoding.models.gpt import GPT, GPTArgs, causal_mask, rope_table_2d
 from decoding.models.packed import pack_linears
 from decoding.models.text import TextArgs, TextEncoder, build_vocab
 from decoding.models.vq import VQArgs, VQModel
-from decoding.sampling import NEUTRAL, SamplingParams, filtered_probs, prompt_seed, sample
+from decoding.sampling import NEUTRAL, SamplingParams, filtered_probs
 
 
 def t2i(seed=0, **kw):
