@@ -410,8 +410,9 @@ class SlotEngine(Engine):
         rows likewise; the rest are free. The time it takes is the kept images' share."""
         t0 = time.perf_counter()
         new = self._resize(state, keep, slots)
+        share = (time.perf_counter() - t0) / max(len(keep), 1)
         for b in keep:
-            rows[b].wall += (time.perf_counter() - t0) / len(keep)
+            rows[b].wall += share
         return new, [rows[b] for b in keep] + [None] * (slots - len(keep))
 
     # What an engine's state carries over a regroup besides its rows (`_resize`): counters, not rows.
