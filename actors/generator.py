@@ -41,6 +41,7 @@ class PartResult:
     started: Optional[float] = None        # the actor's clock
     ended: Optional[float] = None
     files: dict = field(default_factory=dict)   # table -> size, rows, sha256 (output.write_part), for the manifest
+    invalid_tokens: int = 0                # ImageResult.invalid_tokens, summed over the part's images
 
 
 @dataclass
@@ -119,7 +120,7 @@ class Generator:
         return PartResult(part, [it["prompt_id"] for it in items], len(done), len(failed), self.engine.acceptance,
                           gen_s, time.perf_counter() - w0, [r.mean_accept_len for _, r in done],
                           [r.wall_s for _, r in done], [m for _, m in failed], self.node(), os.getpid(), started,
-                          time.time(), files)
+                          time.time(), files, sum(r.invalid_tokens for _, r in done))
 
     def _condition(self, prompt: str):
         try:
@@ -162,5 +163,6 @@ class Generator:
             "width": r.image.shape[1], "height": r.image.shape[0], "num_tokens": len(r.tokens),
             "target_forwards": r.target_forwards, "draft_forwards": r.draft_forwards,
             "mean_accept_len": r.mean_accept_len, "wall_s": r.wall_s, "batch_size": self.slots,
-            "acceptance": e.acceptance, "split": it.get("split"), "unknown_words": r.unknown_words, "part": part}
+            "acceptance": e.acceptance, "split": it.get("split"), "unknown_words": r.unknown_words,
+            "invalid_tokens": r.invalid_tokens, "part": part}
             for it, r in done], schema=IMAGE_SCHEMA)

@@ -103,7 +103,7 @@ IMAGE_SCHEMA = _schema([
     ("width", pa.int32()), ("height", pa.int32()), ("num_tokens", pa.int32()), ("target_forwards", pa.int32()),
     ("draft_forwards", pa.int32()), ("mean_accept_len", pa.float32()), ("wall_s", pa.float32()),
     ("batch_size", pa.int32()), ("acceptance", pa.string()), ("split", pa.string()),
-    ("unknown_words", pa.int32()), ("part", pa.string()),
+    ("unknown_words", pa.int32()), ("invalid_tokens", pa.int32()), ("part", pa.string()),
 ], image_column="image")
 
 # prompt_id, the engine's per-token columns (decoding/engines/log.py, their one definition), engine

@@ -8,5 +8,9 @@ by another version, whose images would not match. tests/test_sampling.py pins th
   2  counter-based hash streams on the device (decoding/sampling.py), device-side sampling and trials
   3  tree engines commit the target's own draws (verify.py): their tokens are vanilla's for the same seed
   4  a token is drawn by an exponential race (sampling.sample) keyed per position, not an inverse CDF
+  5  the race's times from all 32 bits (sampling.exponential), uniforms on the 2^-23 grid (sampling.unit):
+     both strictly inside their range in float32 (the 2^-24 grid's top value was 1.0, which drew tokens
+     of zero mass); temperature applied after subtracting the row's maximum; mc_sjd's Gumbel coupling is
+     the same race as `sample`; a Jacobi draft with p >= q passes without reading its uniform
 """
-BYTES_VERSION = 4
+BYTES_VERSION = 5

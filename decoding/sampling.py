@@ -11,6 +11,7 @@ tensor op, and a prompt's image does not depend on its batch, its actor or the o
 from __future__ import annotations
 
 import hashlib
+import math
 from dataclasses import dataclass, fields, replace
 from typing import Optional
 
@@ -27,10 +28,10 @@ class SamplingParams:
     top_p: Optional[float] = None         # 1 = off
 
     def __post_init__(self):
-        checks = {"temperature": (lambda v: v >= 0, "must be >= 0 (0 = greedy)"),
-                  "top_k": (lambda v: v >= 0, "must be >= 0 (0 = off)"),
+        checks = {"temperature": (lambda v: 0 <= v < math.inf, "must be a finite number >= 0 (0 = greedy)"),
+                  "top_k": (lambda v: v >= 0 and float(v).is_integer(), "must be a whole number >= 0 (0 = off)"),
                   "top_p": (lambda v: 0 < v <= 1, "must be in (0, 1]"),
-                  "cfg_scale": (lambda v: v >= 0, "must be >= 0 (1 = no guidance)")}
+                  "cfg_scale": (lambda v: 0 <= v < math.inf, "must be a finite number >= 0 (1 = no guidance)")}
         for name, (ok, rule) in checks.items():
             v = getattr(self, name)
             if v is not None and not ok(v):
@@ -61,11 +62,13 @@ def cfg_combine(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
 
 
 def filtered_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
-    """CFG-combined logits [..., V] -> the distribution to sample from (temperature, top-k, top-p), fp32."""
+    """CFG-combined logits [..., V] -> the distribution to sample from (temperature, top-k, top-p), fp32.
+    The row's maximum is subtracted before dividing by the temperature, so a tiny temperature gives the
+    top token(s) all the mass instead of inf - inf = NaN."""
     logits = logits.float()
     if p.temperature == 0:
         return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
-    logits = logits / p.temperature
+    logits = (logits - logits.amax(-1, keepdim=True)) / p.temperature
     if p.top_k and p.top_k < logits.shape[-1]:
         kth = logits.topk(p.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -82,28 +85,43 @@ def sample(probs: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
     """An exponential race (the Gumbel-max trick): probs [..., V] (unnormalised is fine), key [...] one
     draw's random bits (`Streams.bits`) -> token ids [...]. Each token v gets E_v = -log U_v, U_v uniform
     from the hash of (key, v), and the draw is argmax_v p_v / E_v: of independent Exp(1) times, the one
-    that wins scaled by 1/p falls on v with probability p_v / Σp. A token of zero mass is never drawn;
-    a row of no mass at all (an empty slot of a continuous batch) gives a valid id to ignore.
+    that wins scaled by 1/p falls on v with probability p_v / Σp. E_v lies in [1.2e-10, 16.7]
+    (`exponential`), so a token of zero mass scores exactly 0 and one of any normal-float mass scores above
+    0: a zero-mass token is never drawn. A row of no mass at all (an empty slot of a continuous batch)
+    gives a valid id to ignore.
 
     Why a race and not the inverse CDF: the same key draws the same token from two nearby distributions
     far more often, whatever the order of the vocabulary. A tree engine's chain step (engines/tree.py)
     drafts the target's draws made after a prefix that may since have changed, and they are accepted
     when the new draw, with the same key, agrees: on the shapes model at batch 1, 4.42 -> 4.95 tokens a
     chain step, 2.23-2.33x -> 2.56-2.67x vanilla (docs/design.md, "Chains")."""
-    u = _unit(_hash(key[..., None] ^ torch.arange(probs.shape[-1], device=probs.device)))
-    return (probs / -torch.log(u)).argmax(-1)
+    e = exponential(pcg_hash(key[..., None] ^ torch.arange(probs.shape[-1], device=probs.device)))
+    return (probs / e).argmax(-1)
 
 
 # -- counter-based random streams ---------------------------------------------------------------------
 _M32 = 0xFFFFFFFF
 
 
-def _unit(h: torch.Tensor) -> torch.Tensor:
-    """32-bit hashes -> uniforms on the 2^-24 grid, offset by half a step: strictly inside (0, 1)."""
-    return ((h >> 8).float() + 0.5) * (1.0 / 2**24)
+def unit(h: torch.Tensor) -> torch.Tensor:
+    """32-bit hashes [...] -> float32 uniforms (k + 1/2) 2^-23 with k = h >> 9, the top 23 bits. Each value
+    has at most 24 significant bits, so it is exact in float32: u lies in [2^-24, 1 - 2^-24], never 0 or 1,
+    and log(u), log(1 - u) and -log(u) > 0 are finite. (On a 2^-24 grid the top value rounds to 1.0 in
+    float32.) Use them in float32 or wider: bf16 and fp16 round values near 1 up to 1."""
+    return ((h >> 9).float() + 0.5) * (1.0 / 2**23)
 
 
-def _hash(x: torch.Tensor) -> torch.Tensor:
+def exponential(h: torch.Tensor) -> torch.Tensor:
+    """32-bit hashes [...] -> float32 Exp(1) times E = -log(1 - w), w = (h + 1/2) 2^-32 capped at 1 - 2^-24:
+    E in [1.2e-10, 16.7], positive and finite. w is exact where E is small (h < 2^23: where a race is won)
+    and has float32's relative precision elsewhere, so two tokens tie for a win with probability ~2^-24;
+    -log(u) of a uniform on a grid near 1 would tie one draw in ~2^23 / V (0.2% at V = 16,384), and a
+    tie goes to the lower token id."""
+    w = ((h.float() + 0.5) * (1.0 / 2**32)).clamp(max=1 - 2**-24)
+    return -torch.log1p(-w)
+
+
+def pcg_hash(x: torch.Tensor) -> torch.Tensor:
     """PCG output permutation of 32-bit values held in int64 (Jarzynski & Olano 2020, "pcg_hash").
     The multipliers are below 2^30, so no product leaves int64: the same bits on every device."""
     s = (x * 747796405 + 2891336453) & _M32
@@ -132,7 +150,7 @@ class Streams:
 
     def _keys(self, seeds) -> torch.Tensor:
         s = torch.as_tensor([int(x) for x in seeds], dtype=torch.int64, device=self.device)
-        return _hash(_hash(s & _M32) ^ (s >> 32))
+        return pcg_hash(pcg_hash(s & _M32) ^ (s >> 32))
 
     def reseed(self, rows: torch.Tensor, seeds) -> None:
         """Give rows [k] the streams of new prompts (a slot of a continuous batch takes a new prompt)."""
@@ -150,12 +168,13 @@ class Streams:
         for c in counters:
             c = torch.as_tensor(c, dtype=torch.int64, device=self.device)
             h = h.reshape(h.shape + (1,) * max(c.dim() - h.dim(), 0))
-            h = _hash(h ^ (c & _M32))
-        return _hash(h)
+            h = pcg_hash(h ^ (c & _M32))
+        return pcg_hash(h)
 
     def uniform(self, *counters, rows: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Uniforms on the 2^-24 grid, offset by half a step: strictly inside (0, 1), so log(u) is finite."""
-        return _unit(self.bits(*counters, rows=rows))
+        """float32 uniforms strictly inside (0, 1) (`unit`), so log(u) is finite and u < 1 passes any test
+        u < r with r >= 1."""
+        return unit(self.bits(*counters, rows=rows))
 
     def normal(self, *counters, rows: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Standard normals by Box-Muller from two uniforms of the same counters (lanes 0 and 1 of a

@@ -154,4 +154,5 @@ def test_image_does_not_depend_on_its_batch(variant):
     together = engine.generate(labels(5), [11, 12, 13, 14, 15])
     alone = engine.generate(labels(1), [13])
     assert together[2].tokens.tolist() == alone[0].tokens.tolist()
-    assert together[2].records["p_target"] == pytest.approx(alone[0].records["p_target"], abs=1e-6)
+    # up to the rounding of a forward over 10 rows against 2 (fp32, CFG 2.5 scales a difference by 3.5)
+    assert together[2].records["p_target"] == pytest.approx(alone[0].records["p_target"], abs=1e-5)

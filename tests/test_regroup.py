@@ -28,6 +28,7 @@ def setup(case):
     bundle = tiny_bundle(vocab=8, grid=4, seed=1, std=0.3)
     kw, pattern = CASES[case]
     engine = build_engine(bundle, engine_config(case.replace("_chains", ""), sampling=SAMPLING, **kw))
+    engine._room = lambda st: (None, True)   # no hold from the measured width cost: what runs is the plan
     if case.endswith("chains"):
         mixed(engine, [1, 0, 1, 0, 0], [0, 4])                           # chain, tree and plain steps
     elif pattern:
@@ -48,7 +49,7 @@ def test_the_rows_left_at_the_end_of_a_stream_regroup_and_keep_their_images(case
     """Tokens are vanilla's, and every record of every token (the step, accepted drafts, tree shape,
     budget, draft and target probabilities, forwards) is what the same stream logs without regrouping:
     a row's drafter state, tree policy and chain went with it."""
-    seeds = [100 + i for i in range(6)]
+    seeds = [500 + i for i in range(6)]
     runs = {}
     for regroup in (False, True):
         bundle, engine, rows, keeps = setup(case)

@@ -179,7 +179,7 @@ class Tally:
 
     def __init__(self, progress):
         self.progress = progress
-        self.images = self.errors = self.tau_n = self.wall_n = 0
+        self.images = self.errors = self.tau_n = self.wall_n = self.invalid_tokens = 0
         self.tau = self.wall = self.gen_s = self.write_s = 0.0
         self.acceptance, self.nodes, self.actors = set(), set(), {}
 
@@ -187,6 +187,7 @@ class Tally:
         self.progress.update(r)
         self.images += r.images
         self.errors += r.errors
+        self.invalid_tokens += r.invalid_tokens
         self.tau += sum(r.tau)
         self.tau_n += len(r.tau)
         self.wall += sum(r.wall_s)
@@ -219,7 +220,8 @@ def summarize(t: Tally, c: GenerateConfig, total: int, already: int, seconds: fl
     acceptance = sorted(t.acceptance)  # as the engine reports it
     return {"engine": c.engine.name, "acceptance": acceptance[0] if len(acceptance) == 1 else acceptance or None,
             "prompts": total,
-            "already_done": already, "images": t.images, "errors": t.errors, "seconds": round(seconds, 2),
+            "already_done": already, "images": t.images, "errors": t.errors, "invalid_tokens": t.invalid_tokens,
+            "seconds": round(seconds, 2),
             "images_per_s": round(t.images / seconds, 3) if seconds > 0 else None,
             "mean_accept_len": round(t.tau / t.tau_n, 3) if t.tau_n else None,
             "engine_s_per_image": round(t.wall / t.wall_n, 4) if t.wall_n else None,
@@ -308,6 +310,10 @@ def _generate(c: GenerateConfig, out_dir: Path, stop) -> dict:
     summary["stopped"] = stop.reason
     write_bytes_atomic(json.dumps(summary, indent=2).encode(), out_dir / "summary.json", "summary.json")
     log.info("[generate] summary " + json.dumps(summary))
+    if summary["invalid_tokens"] and summary["acceptance"] != "lantern":
+        log.error(f"[generate] internal error: {summary['invalid_tokens']} committed tokens that the sampler can "
+                  f"never produce (zero target probability, or not finite); the images table's invalid_tokens "
+                  f"column names the images: please report it with the settings in job.json")
     left = st.pending - summary["images"] - summary["errors"]
     if stop and left:
         raise Preempted(f"[generate] stopped ({stop.reason}): {summary['images'] + summary['errors']} prompts "

@@ -51,6 +51,19 @@ class ImageResult:
         """τ: tokens committed per target forward."""
         return len(self.tokens) / max(self.target_forwards, 1)
 
+    @property
+    def invalid_tokens(self) -> int:
+        """Committed tokens that no correct sampler can produce (the job's invariant, docs/design.md,
+        "Sampling"): a discrete token the target gives no mass after CFG, temperature, top-k and top-p
+        (p_target not > 0, NaN included), or a continuous token with a non-finite value or a drafted one
+        with a non-finite log acceptance ratio. Zero for an exact engine; LANTERN may commit a
+        neighbour of zero mass by design."""
+        r = self.records
+        if self.tokens.ndim == 2:                                    # continuous: [N, C] token vectors
+            drafted = r["window_pos"] >= 0
+            return int((~np.isfinite(self.tokens).all(-1)).sum() + (drafted & ~np.isfinite(r["log_accept_ratio"])).sum())
+        return int((~(r["p_target"] > 0)).sum())
+
 
 def visible(valid: torch.Tensor, see: torch.Tensor) -> torch.Tensor:
     """Attention mask [R, T, S']: committed slots `valid` [R, S] plus, per query, the slots `see` [R, T, K]

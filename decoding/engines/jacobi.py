@@ -95,10 +95,12 @@ def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
 
 def trial(p: torch.Tensor, q: torch.Tensor, x: torch.Tensor, u: torch.Tensor, key_res: torch.Tensor):
     """Speculative sampling at every lane at once: p, q [B, W, V], drafts x [B, W], uniforms u and the
-    residual draws' keys key_res [B, W]. Returns (passed [B, W]: u q(x) < p(x), i.e. with probability min(1, p(x)/q(x)); the residual draw
-    [B, W] from norm(max(p - q, 0)), the token a lane gets when its draft does not pass)."""
+    residual draws' keys key_res [B, W]. Returns (passed [B, W], with probability min(1, p(x)/q(x)); the
+    residual draw [B, W] from norm(max(p - q, 0)), the token a lane gets when its draft does not pass).
+    A draft with p(x) >= q(x) passes without reading u, and one with p(x) = 0 never does: no rounding of
+    u q(x) can turn either around."""
     px, qx = p.gather(-1, x[..., None])[..., 0], q.gather(-1, x[..., None])[..., 0]
-    return u * qx < px, sample(residual(p, q), key_res)
+    return (px > 0) & ((px >= qx) | (u * qx < px)), sample(residual(p, q), key_res)
 
 
 class Jacobi(Engine):
@@ -216,9 +218,9 @@ class MCSJD(Jacobi):
 
     def carry(self, streams, p, q, tok, passed, fix, pos, step):
         if self.cfg.coupling == "gumbel":
-            V = p.shape[-1]
-            u = streams.uniform(GUMBEL, pos[..., None], torch.arange(V, device=self.device))   # per position
-            return (p.log() - (-u.log()).log()).argmax(-1), p
+            # the Gumbel-max draw is the exponential race (sampling.sample) with the key of its position,
+            # the same at every iteration
+            return sample(p, streams.bits(GUMBEL, pos)), p
         # maximal coupling: the verification's own test and residual, read past the first rejection
         # (their uniforms were drawn for every lane; each is used once); the lane past the window: fix = p_W
         kept = torch.cat([passed, torch.zeros_like(passed[:, :1])], 1)
