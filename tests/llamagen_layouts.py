@@ -25,9 +25,12 @@ SQRT3 = math.sqrt(3.0)
 
 
 def det_tensor(shape, seed: int, name: str, std: float, mean: float = 0.0) -> torch.Tensor:
-    """Uniform with the given mean and std, a function of (seed, name) only."""
+    """Uniform with the given mean and std, a function of (seed, name) only. Its own bits-to-float map
+    (the sampler's of BYTES_VERSION <= 4), kept so that the weights, and the fixture made from them with
+    the reference code, do not move when the sampler's uniforms do."""
     n = math.prod(shape)
-    u = Streams([prompt_seed(seed, name)], "cpu").uniform(torch.arange(n)[None])[0]
+    h = Streams([prompt_seed(seed, name)], "cpu").bits(torch.arange(n)[None])[0]
+    u = ((h >> 8).float() + 0.5) * (1.0 / 2**24)
     return (mean + (u * 2 - 1) * std * SQRT3).reshape(shape)
 
 

@@ -135,15 +135,18 @@ def test_lantern_drafter_reads_token_zero_at_condition_rows():
 
 
 # -- the reference: LlamaGen's own generation loop -------------------------------------------------------
-@pytest.mark.parametrize("family", ["c2i", "t2i"])
+@pytest.mark.parametrize("family", ["c2i", "c2i_large", "t2i"])
 def test_greedy_decoding_reproduces_llamagen_token_for_token(tmp_path, family):
-    from tests.fixtures.make_llamagen_greedy import C2I, T2I, captions, checksum
+    """c2i_large has LlamaGen's 16,384 codes and 256 tokens: greedy decoding (top-k 1) leaves 16,383 codes of
+    zero mass at every draw, so a sampler that draws one of them once in ~1,000 draws fails it."""
+    from tests.fixtures.make_llamagen_greedy import C2I, C2I_LARGE, T2I, captions, checksum
     fx = json.loads(FIXTURE.read_text())[family]
-    cfg = (small_c2i(**C2I) if family == "c2i" else small_t2i(**T2I))
+    cfg = {"c2i": lambda: small_c2i(**C2I), "c2i_large": lambda: small_c2i(**C2I_LARGE),
+           "t2i": lambda: small_t2i(**T2I)}[family]()
     weights = gpt_weights(cfg)
     assert checksum(weights) == pytest.approx(fx["weights_checksum"], rel=1e-12)   # the same random weights
     cfg = replace(cfg, gpt_ckpt=str(save(weights, tmp_path / "gpt.pt")), vq_ckpt=str(save(vq_weights(cfg), tmp_path / "vq.pt")))
-    if family == "c2i":
+    if family != "t2i":
         bundle = load_bundle(cfg)
         cond = bundle.conditions(fx["labels"])
     else:   # the caption features LlamaGen's sampler hands to generate(), without a T5
@@ -485,3 +488,31 @@ def test_job_generates_imagenet_classes_with_a_llamagen_checkpoint(ray_cluster, 
     df = pq.read_table(out / "images").to_pandas().sort_values("prompt_id")
     assert df.prompt_id.tolist() == ["class0003-000", "class0003-001", "class0007-000", "class0007-001"]
     assert df.prompt.tolist() == ["3", "3", "7", "7"] and set(df.width) == {64} and set(df.model) == {"llamagen_c2i"}
+
+
+def test_greedy_through_the_job_is_llamagen_s_own_tokens(ray_cluster, tmp_path):
+    """The public job, top-k 1, on LlamaGen's codebook size: every image's tokens are the reference code's
+    greedy tokens for its class, at CFG 1 and 4 (tests/fixtures/llamagen_greedy.json, c2i_large), and the
+    job reports no token of zero target probability."""
+    import pyarrow.parquet as pq
+    from tests.fixtures.make_llamagen_greedy import C2I_LARGE
+    from tests.test_job import job
+    fx = json.loads(FIXTURE.read_text())["c2i_large"]
+    cfg = small_c2i(**C2I_LARGE)
+    gpt, vq = save(gpt_weights(cfg), tmp_path / "c2i_gpt.pt"), save(vq_weights(cfg), tmp_path / "vq_ds16_c2i.pt")
+    for scale in ("1.0", "4.0"):
+        out = tmp_path / f"cfg{scale}"
+        summary = job("model=llamagen_c2i", f"model.gpt_ckpt={gpt}", f"model.vq_ckpt={vq}", "model.dim=64",
+                      "model.n_layer=2", "model.n_head=4", f"model.codebook_size={cfg.codebook_size}",
+                      "model.vq_ch=32", "model.vq_z_channels=32", "model.vq_num_res_blocks=1",
+                      f"model.image_size={cfg.image_size}", "model.num_classes=10", "model.dtype=float32",
+                      "data=imagenet_classes", f"data.classes={fx['labels']}", "data.per_class=1",
+                      "engine=vanilla", "engine.sampling.top_k=1", f"engine.sampling.cfg_scale={scale}",
+                      "cluster.num_actors=1", f"out_dir={out}")
+        assert summary["images"] == len(fx["labels"]) and summary["errors"] == 0
+        assert summary["invalid_tokens"] == 0
+        tok = pq.read_table(out / "tokens", columns=["prompt_id", "token_index", "token_id"]).to_pandas()
+        tok = tok.sort_values(["prompt_id", "token_index"])
+        for label, expected in zip(fx["labels"], fx["runs"][scale]):
+            got = tok[tok.prompt_id == f"class{label:04d}-000"].token_id.tolist()
+            assert got == expected, f"class {label}, cfg {scale}"
