@@ -46,6 +46,7 @@ def test_two_actors_on_two_nodes_and_identical_bytes_for_any_sharding(ray_cluste
     two = job(*base(tiny_weights, tmp_path / "two", "data.limit=12", "cluster.batch_size=4", "cluster.num_actors=2",
                     "cluster.num_cpus_per_actor=2"))
     assert one["images"] == two["images"] == 12 and two["nodes"] == 2
+    assert one["invalid_tokens"] == two["invalid_tokens"] == 0 and images(tmp_path / "two").invalid_tokens.eq(0).all()
     timeline = [two[k] for k in ("actor_start_seconds", "idle_seconds")]  # filled from the actors' clocks
     assert all(isinstance(x, float) and x >= 0 for x in timeline)
     tokens = [pq.read_table(tmp_path / d / "tokens").to_pandas().sort_values(["prompt_id", "token_index"])
