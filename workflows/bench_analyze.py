@@ -164,7 +164,8 @@ def make_run(out: Path, engine: str, images: int, per_part: int, pool: list[dict
                          "model": "shapes", "image": {"bytes": scene["png"], "path": None}, "width": 64, "height": 64,
                          "num_tokens": n, "target_forwards": fwd, "draft_forwards": dfwd, "mean_accept_len": n / fwd,
                          "wall_s": fwd * 0.004 + dfwd * 0.0005, "batch_size": per_part, "acceptance": acceptance,
-                         "split": scene["split"], "unknown_words": 0, "part": f"part-{part:06d}"}.items():
+                         "split": scene["split"], "unknown_words": 0, "invalid_tokens": 0,
+                         "part": f"part-{part:06d}"}.items():
                 img[c].append(v)
         tokens = pa.Table.from_arrays([pa.array(np.concatenate(tok[c]), schema.field(c).type) for c in schema.names],
                                       schema=schema)
