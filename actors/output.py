@@ -25,6 +25,7 @@ import io
 import json
 import logging
 import os
+import re
 import secrets
 import shutil
 import time
@@ -43,6 +44,22 @@ TABLES = ("images", "tokens", "errors")
 WRITE_ORDER = ("tokens", "errors", "images")   # the images file commits the part
 VERIFY_MODES = ("quick", "full")
 log = logging.getLogger("arspec.job")
+
+# Every name a job creates in out_dir (docs/design.md, "Output contract"). Nothing else there is ever
+# read as a part, removed or moved; an out_dir holding anything else and no job.json is refused.
+PART = r"part-\d{10}-\d{10}-[0-9a-f]{16}"
+
+
+def _names(*names: str) -> re.Pattern:
+    """The names, and the temporary names write_chunks_atomic writes them under (.NAME.PID.RANDOM.tmp)."""
+    alts = "|".join(names)
+    return re.compile(rf"(?:{alts})|\.(?:{alts})\.\d+\.[0-9a-f]{{8}}\.tmp")
+
+
+START_NAMES = _names(r"job\.json", r"job\.lock", r"job\.lock\.stale-[0-9a-f]+")   # a job's first files
+TOP_NAMES = _names(r"job\.json", r"manifest\.jsonl", r"summary\.json")
+TABLE_NAMES = _names(rf"{PART}\.parquet")
+QUARANTINE_NAMES = re.compile(rf"{PART}(?:\.\d{{8}}T\d{{6}}\.[0-9a-f]{{4}})?\.parquet")
 
 # Fault injection (tests/test_reliability.py): called with "before:LABEL", "mid:LABEL" (half of the
 # file's bytes are written) and "after:LABEL" around every file this module writes; LABEL is a table
@@ -333,23 +350,57 @@ def quarantine(out_dir: Path, part: str, reason: str) -> Path:
     return q
 
 
+def survey(out_dir: Path) -> tuple[list[str], list[str]]:
+    """What out_dir holds, by the names above: (a job's files beyond its first ones: parts, manifest,
+    summary, quarantine; entries no job writes), as paths relative to out_dir, sorted."""
+    written, foreign = [], []
+    for e in sorted(os.scandir(out_dir), key=lambda e: e.name):
+        kind = "dir" if e.is_dir(follow_symlinks=False) else "file" if e.is_file(follow_symlinks=False) else "other"
+        if kind == "file" and START_NAMES.fullmatch(e.name):
+            continue
+        if kind == "file" and TOP_NAMES.fullmatch(e.name):
+            written.append(e.name)
+        elif kind == "dir" and e.name in TABLES:
+            inner = {f.name: f.is_file(follow_symlinks=False) for f in os.scandir(e.path)}
+            written += [f"{e.name}/{n}" for n, f in sorted(inner.items()) if f and TABLE_NAMES.fullmatch(n)]
+            foreign += [f"{e.name}/{n}" for n, f in sorted(inner.items()) if not (f and TABLE_NAMES.fullmatch(n))]
+        elif kind == "dir" and e.name == "quarantine":
+            for t in sorted(os.scandir(e.path), key=lambda t: t.name):
+                ok = t.name in TABLES and t.is_dir(follow_symlinks=False)
+                names = sorted(os.listdir(t.path)) if ok else []
+                written += [f"quarantine/{t.name}/{n}" for n in names if QUARANTINE_NAMES.fullmatch(n)]
+                foreign += [f"quarantine/{t.name}/{n}" for n in names if not QUARANTINE_NAMES.fullmatch(n)]
+                if not ok:
+                    foreign.append(f"quarantine/{t.name}")
+        else:
+            foreign.append(e.name + ("/" if kind == "dir" else ""))
+    return written, foreign
+
+
 def remove_leftovers(out_dir: Path, parts=None) -> None:
     """Remove the temporary files of interrupted writes, and the tokens/errors files of parts never
     committed (no images file; `parts`: the committed parts, by default those with an images file).
-    Run on start (`recover`) and when a job ends, its actors gone: a writer killed mid-part (a lost
-    node, SIGTERM with no grace left) leaves these, and no one else will. Never while writers run."""
+    Only names a job writes (above) are touched. Run on start (`recover`) and when a job ends, its
+    actors gone: a writer killed mid-part (a lost node, SIGTERM with no grace left) leaves these, and
+    no one else will. Never while writers run."""
     if parts is None:
-        images_dir = out_dir / "images"
-        parts = {f.stem for f in images_dir.glob("*.parquet")} if images_dir.is_dir() else set()
-    leftovers = [f for f in out_dir.glob(".*.tmp")]
+        parts = {f.stem for f in _part_files(out_dir / "images")}
+    leftovers = [out_dir / n for n in os.listdir(out_dir) if n.endswith(".tmp") and TOP_NAMES.fullmatch(n)] \
+        if out_dir.is_dir() else []
     for table in TABLES:
         d = out_dir / table
         if d.is_dir():
-            leftovers += [f for f in d.iterdir() if f.name.endswith(".tmp")
-                          or (table != "images" and f.suffix == ".parquet" and f.stem not in parts)]
+            leftovers += [d / n for n in os.listdir(d) if TABLE_NAMES.fullmatch(n)
+                          and (n.endswith(".tmp") or (table != "images" and n[:-len(".parquet")] not in parts))]
     for f in leftovers:
         with storage(f):
             f.unlink(missing_ok=True)
+
+
+def _part_files(d: Path) -> list[Path]:
+    """The part files in d (sorted by name, i.e. by START), never another file someone put there."""
+    return sorted(d / n for n in os.listdir(d) if n.endswith(".parquet") and TABLE_NAMES.fullmatch(n)) \
+        if d.is_dir() else []
 
 
 def inspect(out_dir: Path, verify: str = "quick") -> tuple[dict[str, int], dict[str, str]]:
@@ -367,8 +418,7 @@ def _inspect(out_dir: Path, full: bool, listed: dict[str, int]):
     entry rebuilt from the files)."""
     parts, damaged, rebuilt = {}, {}, {}
     covered, owner = -1, None                  # the furthest position a sound part reaches, and that part
-    images_dir = out_dir / "images"
-    for f in sorted(images_dir.glob("*.parquet")) if images_dir.is_dir() else []:   # sorted by START
+    for f in _part_files(out_dir / "images"):   # sorted by START
         entry = manifest_line(out_dir, listed.get(f.stem))
         reason, checked = check_part(out_dir, f.stem, entry, full)
         span = part_span(f.stem)

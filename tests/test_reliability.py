@@ -30,7 +30,8 @@ from actors.pool import _record, part_name
 from decoding.sampling import prompt_seed
 from tests.conftest import REPO
 from tests.test_job import TINY, image_bytes, images, job
-from workflows.config import to_object
+from workflows.config import ConfigError, to_object
+from workflows.generate import check_out_dir, fingerprint
 from workflows.lock import LockHeld, OutDirLock, Preempted, Stop
 from workflows.prompts import read_prompts
 
@@ -114,6 +115,7 @@ def test_crash_at_every_part_write_boundary_then_rerun_is_exact(reference, tiny_
     out = tmp_path / "run"
     c = typed(tiny_weights, out, N)
     items = pending_items(c)
+    check_out_dir(out, fingerprint(c))                # what the job writes first
     threads = torch.get_num_threads()
     gen = Generator(c, str(out))                      # the actor's code, in this process
     torch.set_num_threads(threads)
@@ -437,3 +439,58 @@ def test_lost_node_its_batches_are_retried_elsewhere(ray_cluster, reference, tin
     assert "was on a lost node" in caplog.text
     assert s["errors"] == 0
     assert_exact(out, reference, n)
+
+
+def _tree(d: Path) -> dict:
+    return {str(f.relative_to(d)): f.read_bytes() if f.is_file() else None for f in sorted(d.rglob("*"))}
+
+
+def test_an_out_dir_that_is_not_a_jobs_is_refused_and_left_untouched(reference, tiny_weights, tmp_path, caplog):
+    """A directory holding files no job writes (names like a job's temporaries and parts, but not
+    theirs), the filesystem root and the source tree: refused in one line naming what was found, before
+    anything (the lock included) is written. In a job's own out_dir such files are left alone: not
+    removed as leftovers, not quarantined as damaged parts. (The old code deleted the first four and
+    moved photos.parquet to quarantine/, exit 0.)"""
+    mine = {".notes.tmp": b"notes", "tokens/vocab.parquet": None, "tokens/draft.tmp": b"draft",
+            "errors/log.parquet": None, "images/photos.parquet": None}
+    some = next((reference[0] / "images").glob("*.parquet")).read_bytes()
+    out = tmp_path / "user"
+    for name, data in mine.items():
+        (out / name).parent.mkdir(parents=True, exist_ok=True)
+        (out / name).write_bytes(data or some)
+    before = _tree(out)
+    with pytest.raises(ConfigError, match=rf"out_dir={out} is not a job's directory \(job.json is missing\) and "
+                                          rf"holds \.notes\.tmp, errors/log\.parquet, images/photos\.parquet, \.\.\.: "
+                                          rf"nothing was changed"):
+        job(*args(tiny_weights, out, 4))
+    assert _tree(out) == before
+    for where in ("/", str(REPO)):
+        with pytest.raises(ConfigError, match=f"out_dir={where} is not a job's directory"):
+            job(*args(tiny_weights, where, 4))
+    assert not Path("/job.lock").exists() and not (REPO / "job.lock").exists()
+
+    ran = tmp_path / "run"                      # a job's own out_dir, with the user's files put into it
+    shutil.copytree(reference[0], ran)
+    for name, data in mine.items():
+        (ran / name).write_bytes(data or some)
+    caplog.set_level(logging.WARNING, logger="arspec.job")
+    s = job(*args(tiny_weights, ran, N))
+    assert s["already_done"] == N and "quarantined" not in caplog.text
+    assert f"out_dir={ran} also holds 5 entries no job writes" in caplog.text
+    assert all((ran / name).read_bytes() == (data or some) for name, data in mine.items())
+
+
+def test_committed_parts_without_job_json_are_refused(reference, tiny_weights, tmp_path):
+    """job.json deleted from a finished out_dir, rerun with another seed: refused in one line (the old
+    code wrote a new job.json saying seed 7 over seed 0's images, exit 0). A damaged job.json beside
+    committed parts is refused the same way, as bad input (exit 2), not as "cannot write" (3)."""
+    out = tmp_path / "run"
+    shutil.copytree(reference[0], out)
+    (out / "job.json").unlink()
+    with pytest.raises(ConfigError, match=rf"out_dir={out} holds a job's files \(errors/part-.*\) but its job.json "
+                                          rf"is missing: it recorded the settings they were made with"):
+        job(*args(tiny_weights, out, N, "seed=7"))
+    assert not (out / "job.json").exists() and not (out / "job.lock").exists()
+    (out / "job.json").write_text('{"seed": 0, "engine": ')
+    with pytest.raises(ConfigError, match=r"but its job.json is damaged \(.*\): it recorded the settings"):
+        job(*args(tiny_weights, out, N))

@@ -16,6 +16,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")   # before anything can import ray
 
@@ -46,20 +47,54 @@ def _flat(d: dict, prefix: str = "") -> dict:
     return out
 
 
-def check_out_dir(out_dir: Path, fp: dict) -> None:
-    """job.json records `fp` (written atomically: actors/output.py); a rerun must match it."""
-    from actors.output import OutDirError, write_bytes_atomic
+def _job_json(out_dir: Path) -> tuple[Optional[dict], str]:
+    """(the settings job.json records, or None; what is wrong with it: "" or why it is not a job's)."""
     path = out_dir / "job.json"
+    if not path.is_file():
+        return None, "is missing"
     try:
-        old = json.loads(path.read_text()) if path.exists() else None
+        job = json.loads(path.read_bytes())
     except (ValueError, UnicodeDecodeError) as e:
-        if any((out_dir / "images").glob("*.parquet")):
-            raise OutDirError(f"{path} is damaged ({str(e)[:80]}) and out_dir holds committed parts made with the "
-                              f"settings it recorded: restore it, or use a new out_dir") from None
-        log.warning(f"[generate] {path} is damaged ({str(e)[:80]}) and no part is committed: writing it again")
-        old = None
+        return None, f"is damaged ({str(e)[:80]})"
+    if not (isinstance(job, dict) and {"engine", "model", "seed"} <= set(job)):
+        return None, "is not a job's (no engine, model and seed)"
+    return job, ""
+
+
+def claim_out_dir(out_dir: Path) -> None:
+    """A job writes only into an absent or empty directory, or one that is recognisably a job's: its
+    job.json, or no more than what a job's first moments leave (its lock, job.json's temporary file).
+    Anything else is refused in one line naming what was found, before anything is written there."""
+    from actors.output import survey
+    if not out_dir.exists():
+        return
+    if not out_dir.is_dir():
+        raise ConfigError(f"out_dir={out_dir} is a file, not a directory: use a new or empty directory")
+    job, problem = _job_json(out_dir)
+    written, foreign = survey(out_dir)
+    if job is not None:
+        if foreign:
+            log.warning(f"[generate] out_dir={out_dir} also holds {len(foreign)} entries no job writes "
+                        f"({', '.join(foreign[:3])}): left alone")
+        return
+    if foreign:
+        raise ConfigError(f"out_dir={out_dir} is not a job's directory (job.json {problem}) and holds "
+                          f"{', '.join(foreign[:3])}{', ...' if len(foreign) > 3 else ''}: nothing was changed; "
+                          f"use a new or empty directory")
+    if written:
+        raise ConfigError(f"out_dir={out_dir} holds a job's files ({written[0]}, ...) but its job.json {problem}: "
+                          f"it recorded the settings they were made with; restore it, or use a new out_dir")
+    if problem != "is missing":
+        log.warning(f"[generate] {out_dir / 'job.json'} {problem} and nothing else is committed: writing it again")
+
+
+def check_out_dir(out_dir: Path, fp: dict) -> None:
+    """job.json records `fp` (written atomically: actors/output.py); a rerun must match it. (That the
+    out_dir is a job's at all is claim_out_dir's check, made before the lock is written.)"""
+    from actors.output import write_bytes_atomic
+    old = _job_json(out_dir)[0]
     if old is None:
-        write_bytes_atomic(json.dumps(fp, indent=2).encode(), path, "job.json")
+        write_bytes_atomic(json.dumps(fp, indent=2).encode(), out_dir / "job.json", "job.json")
         return
     old, new = _flat(old), _flat(fp)
     if old.get("bytes_version") != new["bytes_version"]:
@@ -240,9 +275,10 @@ def plan_job(c: GenerateConfig, verify: str = "quick"):
     from workflows.prompts import PromptSource
     source = PromptSource(c.data)
     out_dir, fp = Path(c.out_dir), fingerprint(c)
-    if (out_dir / "job.json").exists():
+    started = _job_json(out_dir)[0] is not None    # else nothing is committed (claim_out_dir)
+    if started:
         check_out_dir(out_dir, fp)
-    parts = recover(out_dir, verify) if out_dir.is_dir() else {}
+    parts = recover(out_dir, verify) if started else {}
     check = prompt_check(c.model)
     plan = Plan(source, CommittedIndex(out_dir, parts), c.cluster.batch_size, c.seed,
                 check=None if check is None else lambda chunk: check([r["prompt"] for r in chunk]))
@@ -260,6 +296,7 @@ def run(cfg: DictConfig) -> dict:
     c: GenerateConfig = to_object(cfg)
     validate(c)
     out_dir = Path(c.out_dir)
+    claim_out_dir(out_dir)
     stop = Stop(c.cluster.grace_s)
     with on_sigterm(stop), OutDirLock(out_dir, c.cluster.lock_timeout_s, stop):   # workflows/lock.py
         return _generate(c, out_dir, stop)
