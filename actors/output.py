@@ -222,7 +222,7 @@ def part_span(name: str):
 
 def parquet_bytes(table: pa.Table) -> pa.Buffer:
     sink = pa.BufferOutputStream()
-    pq.write_table(table, sink)
+    pq.write_table(table, sink, write_page_checksum=True)      # a flipped byte in a page fails its CRC32
     return sink.getvalue()
 
 
@@ -290,9 +290,10 @@ def append_manifest(out_dir: Path, entry: dict) -> None:
 
 
 def _check_file(path: Path, info: Optional[dict], full: bool) -> tuple[Optional[str], Optional[dict]]:
-    """(reason it is damaged or None, its file_info). With a recorded `info`: size and footer row count
-    (cheap), and with `full` the sha256. Without one (the driver died before the manifest line): the
-    whole file is read and decoded, and its info computed."""
+    """(reason it is damaged or None, its file_info). With a recorded `info`: size and footer row count,
+    then `full`: the sha256, else (quick) the Parquet page checksums (CRC32 of every data page, which a
+    same-size flip inside the data fails). Without one (the driver died before the manifest line, or the
+    manifest was lost): the page checksums, and its info computed from the file."""
     try:
         size = path.stat().st_size
     except FileNotFoundError:
@@ -305,21 +306,26 @@ def _check_file(path: Path, info: Optional[dict], full: bool) -> tuple[Optional[
         return f"unreadable Parquet footer ({str(e).splitlines()[0][:120]})", None
     if info is not None and rows != info.get("rows"):
         return f"{rows} rows, the manifest recorded {info.get('rows')}", None
-    if info is not None and not full:
-        return None, info
     data = path.read_bytes()
-    if info is not None:
+    if info is not None and full:
         ok = hashlib.sha256(data).hexdigest() == info.get("sha256")
         return (None, info) if ok else ("sha256 differs from the manifest", None)
     try:
-        rows = pq.read_table(pa.BufferReader(data)).num_rows
+        read_checked(pa.BufferReader(data))
     except Exception as e:
-        return f"unreadable Parquet data ({str(e).splitlines()[0][:120]})", None
-    return None, file_info(data, rows)
+        return f"unreadable Parquet data or a page checksum failed ({str(e).splitlines()[0][:120]})", None
+    return None, info or file_info(data, rows)
+
+
+def read_checked(source, columns=None) -> pa.Table:
+    """A Parquet file read with its page checksums verified (files written before they were: unchecked)."""
+    return pq.read_table(source, columns=columns, page_checksum_verification=True)
 
 
 def check_part(out_dir: Path, part: str, entry: Optional[dict], full: bool) -> tuple[Optional[str], Optional[dict]]:
-    """(reason the part is damaged or None, its manifest entry, rebuilt from its files if it had none)."""
+    """(reason the part is damaged or None, its manifest entry, rebuilt from its files if it had none).
+    A part without a sound entry is trusted only as far as its files can be checked alone: page
+    checksums, and every PNG decoded."""
     recorded = (entry or {}).get("files") or {}
     files = {}
     for table in WRITE_ORDER:
@@ -329,8 +335,14 @@ def check_part(out_dir: Path, part: str, entry: Optional[dict], full: bool) -> t
         files[table] = info
     if recorded and len(entry.get("prompt_ids") or []) == files["images"]["rows"] + files["errors"]["rows"]:
         return None, entry
-    ids = [pq.read_table(out_dir / t / f"{part}.parquet", columns=["prompt_id"]).column(0).to_pylist()
-           for t in ("images", "errors")]
+    images = read_checked(out_dir / "images" / f"{part}.parquet", columns=["prompt_id", "image"])
+    for pid, image in zip(images.column("prompt_id").to_pylist(), images.column("image").to_pylist()):
+        try:
+            Image.open(io.BytesIO(image["bytes"])).load()
+        except Exception as e:
+            return f"images/{part}.parquet: the PNG of {pid!r} does not decode ({str(e).splitlines()[0][:80]})", None
+    ids = [images.column("prompt_id").to_pylist(),
+           read_checked(out_dir / "errors" / f"{part}.parquet", columns=["prompt_id"]).column(0).to_pylist()]
     return None, {**manifest_entry(part, ids[0] + ids[1], len(ids[0]), len(ids[1]), files), "time": None}
 
 
@@ -442,6 +454,10 @@ def recover(out_dir: Path, verify: str = "quick") -> dict[str, int]:
         raise ValueError(f"verify={verify!r}: choose one of {', '.join(VERIFY_MODES)}")
     lines = read_manifest(out_dir)
     parts, damaged, rebuilt = _inspect(out_dir, verify == "full", lines)
+    if rebuilt:
+        log.warning(f"[generate] {len(rebuilt)} committed part(s) had no manifest line (e.g. {next(iter(rebuilt))}: "
+                    f"the driver stopped before writing it, or manifest.jsonl lost lines): checked from their files "
+                    f"alone (Parquet page checksums, every PNG decoded), their lines written again")
     for part, reason in damaged.items():
         quarantine(out_dir, part, reason)
     remove_leftovers(out_dir, parts)

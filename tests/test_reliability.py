@@ -19,6 +19,7 @@ import time
 import _thread
 from pathlib import Path
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
@@ -174,7 +175,7 @@ def _truncate(path: Path) -> None:
 
 def test_damaged_parts_are_quarantined_and_regenerated(reference, tiny_weights, tmp_path, caplog):
     """A truncated images file and a truncated tokens file (a failed copy, a bad disk), a byte flipped
-    inside a third part (same size: only verify=full sees it), and a part repeating prompts that
+    inside a third part (same size: its page checksum, or verify=full's sha256, sees it), and a part repeating prompts that
     another part holds (two jobs once wrote this out_dir). workflows.verify names them and exits 1; the
     rerun moves each to quarantine/ with a line and regenerates their prompts."""
     ref_out = reference[0]
@@ -204,8 +205,8 @@ def test_damaged_parts_are_quarantined_and_regenerated(reference, tiny_weights, 
     assert any(parts[0] in x and "images/" in x and "the manifest recorded" in x for x in lines), r.stdout
     assert any(parts[1] in x and "tokens/" in x for x in lines), r.stdout
     assert any(repeats in x and f"already in {parts[3]}" in x for x in lines), r.stdout
-    assert not any(parts[2] in x for x in lines)       # quick: sizes and footers only
-    assert parts[2] in output.inspect(out, "full")[1]   # full: the checksum
+    assert any(parts[2] in x and "page checksum failed" in x for x in lines), r.stdout    # quick: page CRCs
+    assert "sha256 differs" in output.inspect(out, "full")[1][parts[2]]                # full: the sha256
 
     caplog.set_level(logging.WARNING, logger="arspec.job")
     s = job(*args(tiny_weights, out, N, "cluster.batch_size=4", "verify=full"))
@@ -494,3 +495,60 @@ def test_committed_parts_without_job_json_are_refused(reference, tiny_weights, t
     (out / "job.json").write_text('{"seed": 0, "engine": ')
     with pytest.raises(ConfigError, match=r"but its job.json is damaged \(.*\): it recorded the settings"):
         job(*args(tiny_weights, out, N))
+
+
+def _flip_readable(path: Path, start: int) -> int:
+    """Flip one byte of `path` (same size) at the first offset from `start` where a reader that checks
+    no page checksum still reads the file, into different values: damage nothing else would notice.
+    -> the offset."""
+    data = path.read_bytes()
+    want = pq.read_table(path)
+    for at in range(start, len(data)):
+        bad = bytearray(data)
+        bad[at] ^= 0x01
+        try:
+            got = pq.read_table(pa.BufferReader(bytes(bad)))
+        except Exception:
+            continue
+        if not got.equals(want):
+            path.write_bytes(bytes(bad))
+            return at
+    raise AssertionError(f"no readable flip in {path}")
+
+
+def test_a_lost_manifest_does_not_make_damage_the_recorded_truth(reference, tiny_weights, tmp_path, caplog):
+    """manifest.jsonl deleted, then one byte flipped inside a tokens part's data, where a plain reader
+    still reads it (same size, other values): the part has no manifest line to compare against, so
+    verify (quick or full) and the rerun check it from its files alone: its page checksum fails, it is
+    named, quarantined and regenerated, and a line says that parts had no manifest line. And a flipped
+    byte inside a PNG, manifest intact: verify=quick names it (its page checksum). The old code reported
+    0 damaged for both and wrote the damaged file's sha256 into the rebuilt manifest."""
+    out = tmp_path / "run"
+    shutil.copytree(reference[0], out)
+    parts = sorted(f.stem for f in (out / "images").glob("*.parquet"))
+    png = out / "images" / f"{parts[1]}.parquet"
+    data = bytearray(png.read_bytes())
+    data[data.index(b"IDAT") + 8] ^= 0x01                  # inside the first image's compressed pixels
+    png.write_bytes(bytes(data))
+    from workflows.verify import main as verify_main
+    r = subprocess.run([sys.executable, "-m", "workflows.verify", f"out_dir={out}"], capture_output=True,
+                       text=True, cwd=REPO, timeout=120)
+    assert r.returncode == 1 and f"damaged {parts[1]}: images/{parts[1]}.parquet: unreadable Parquet data or a " \
+        f"page checksum failed" in r.stdout, r.stdout + r.stderr
+    (out / "manifest.jsonl").unlink()
+    tokens = out / "tokens" / f"{parts[0]}.parquet"
+    col = pq.ParquetFile(tokens).metadata.row_group(0).column(3)         # token_id
+    _flip_readable(tokens, col.data_page_offset + col.total_compressed_size // 2)
+    for mode in ("quick", "full"):
+        r = subprocess.run([sys.executable, "-m", "workflows.verify", f"out_dir={out}", f"verify={mode}"],
+                           capture_output=True, text=True, cwd=REPO, timeout=120)
+        assert r.returncode == 1, r.stdout + r.stderr
+        assert f"damaged {parts[0]}: tokens/{parts[0]}.parquet: unreadable Parquet data or a page checksum" \
+            in r.stdout, r.stdout
+        assert f"; {len(parts)} part(s) have no manifest line: checked from their files alone" in r.stdout
+    caplog.set_level(logging.WARNING, logger="arspec.job")
+    s = job(*args(tiny_weights, out, N, "cluster.batch_size=4", "verify=full"))
+    assert s["images"] == 8 and f"{len(parts) - 2} committed part(s) had no manifest line" in caplog.text
+    assert quarantined(out) == sorted(f"quarantine/{t}/{p}.parquet" for p in parts[:2] for t in output.TABLES)
+    assert_exact(out, reference, N)
+    assert verify_main([f"out_dir={out}", "verify=full"]) == 0

@@ -118,7 +118,7 @@ def validate(c: GenerateConfig) -> None:
         if getattr(cl, key) is not None and getattr(cl, key) < 1:
             raise ConfigError(f"cluster.{key}={getattr(cl, key)}: must be >= 1")
     if c.verify not in ("quick", "full"):
-        raise ConfigError(f"verify={c.verify}: choose quick (sizes and Parquet footers) or full (also checksums)")
+        raise ConfigError(f"verify={c.verify}: choose quick (sizes, Parquet footers and page checksums) or full (sha256 of every file)")
     if cl.grace_s < 0 or cl.lock_timeout_s <= 0:
         raise ConfigError(f"cluster.grace_s={cl.grace_s} / cluster.lock_timeout_s={cl.lock_timeout_s}: "
                           f"must be >= 0 / > 0")
