@@ -63,8 +63,9 @@ class Generator:
     (docs/design.md, "Engines"), so a row freed by one part's image takes the next part's prompt at
     once. Each call returns when all its prompts are done and its part is committed."""
 
-    def __init__(self, cfg, out_dir: str):
+    def __init__(self, cfg, out_dir: str, token: Optional[str] = None):
         c = cfg.cluster
+        self.token = token                  # the job's lock: no part is written once it is another job's
         torch.set_num_threads(c.torch_threads or max(1, int(c.num_cpus_per_actor)))
         self.cfg, self.out_dir = cfg, Path(out_dir)
         self.bundle = load_bundle(cfg.model)
@@ -115,7 +116,7 @@ class Generator:
                                        for it, msg in failed], schema=ERROR_SCHEMA)
         files = write_part(self.out_dir, part, self._images(done, part),
                    token_table([it["prompt_id"] for it, _ in done], [r.records for _, r in done], self.engine.name),
-                   errors)
+                   errors, self.token)
         return PartResult(part, [it["prompt_id"] for it in items], len(done), len(failed), self.engine.acceptance,
                           gen_s, time.perf_counter() - w0, [r.mean_accept_len for _, r in done],
                           [r.wall_s for _, r in done], [m for _, m in failed], self.node(), os.getpid(), started,

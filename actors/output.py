@@ -82,6 +82,28 @@ class OutDirError(JobExit):
     code = 3
 
 
+class LockLost(JobExit):
+    """Another job took over out_dir's lock (workflows/lock.py): this one commits nothing more (exit 143,
+    as a stop)."""
+    code, prefix = 143, ""
+
+
+def lock_token(out_dir: Path) -> Optional[str]:
+    """The token of the job that holds out_dir/job.lock now, or None."""
+    try:
+        return json.loads((out_dir / "job.lock").read_bytes()).get("token")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def check_lock(out_dir: Path, token: Optional[str]) -> None:
+    """Before every commit (each file of a part, a manifest line, the end of the job): the job whose
+    lock was taken over (it was silent, e.g. suspended) stops writing. token None: no lock to check."""
+    if token is not None and lock_token(out_dir) != token:
+        raise LockLost(f"[generate] stopped: another job took over out_dir={out_dir} (its lock {out_dir / 'job.lock'} "
+                       f"is no longer this job's); nothing more is written by this one")
+
+
 _STORAGE = {errno.ENOSPC: "free space on it", errno.EDQUOT: "free space or raise the quota",
             errno.EFBIG: "free space or raise the file size limit", errno.EACCES: "give this user write access",
             errno.EPERM: "give this user write access", errno.EROFS: "mount it read-write or use another out_dir"}
@@ -231,12 +253,14 @@ def file_info(data, rows: int) -> dict:
     return {"bytes": len(memoryview(data)), "rows": rows, "sha256": hashlib.sha256(data).hexdigest()}
 
 
-def write_part(out_dir: Path, part: str, images: pa.Table, tokens: pa.Table, errors: pa.Table) -> dict:
-    """Tokens, then errors, then images: the images file commits the part. Returns each file's
-    file_info for the manifest."""
+def write_part(out_dir: Path, part: str, images: pa.Table, tokens: pa.Table, errors: pa.Table,
+               token: Optional[str] = None) -> dict:
+    """Tokens, then errors, then images: the images file commits the part; each only while the job
+    holds the lock `token` (check_lock). Returns each file's file_info for the manifest."""
     tables, files = {"images": images, "tokens": tokens, "errors": errors}, {}
     for table in WRITE_ORDER:
         data = parquet_bytes(tables[table])
+        check_lock(out_dir, token)
         write_bytes_atomic(data, out_dir / table / f"{part}.parquet", table)
         files[table] = file_info(data, tables[table].num_rows)
     return files

@@ -552,3 +552,123 @@ def test_a_lost_manifest_does_not_make_damage_the_recorded_truth(reference, tiny
     assert quarantined(out) == sorted(f"quarantine/{t}/{p}.parquet" for p in parts[:2] for t in output.TABLES)
     assert_exact(out, reference, N)
     assert verify_main([f"out_dir={out}", "verify=full"]) == 0
+
+
+def _cli(tmp_path, *extra) -> list[str]:
+    return [sys.executable, "-m", "workflows.generate", *TINY, "cluster.batch_size=2", "cluster.num_actors=1",
+            "cluster.local_num_cpus=1", f"hydra.run.dir={tmp_path / 'hydra'}", *extra]
+
+
+@pytest.mark.skipif(not shutil.which("unshare") or not _namespaces_work(),
+                    reason="needs unshare -Urm (an unprivileged user + mount namespace) for a tiny tmpfs")
+def test_disk_full_at_start_and_read_only_mid_run_exit_3_and_the_rerun_goes_on(reference, tiny_weights, tmp_path):
+    """Two tmpfs mounts in a mount namespace. One is filled to the last byte before the job starts: the
+    lock cannot be written (ENOSPC): exit 3, one line, and no lock left (the old code: a traceback and
+    an empty job.lock that refused the next run for 60 s). Space freed, the rerun completes. The other
+    is remounted read-only once the job has committed a part: exit 3, one line (the old code: the lock's
+    release raised, a traceback replaced it); remounted read-write, the rerun takes over the dead
+    job's lock at once and completes exactly."""
+    full, ro = tmp_path / "full", tmp_path / "ro"
+    full.mkdir(), ro.mkdir()
+    cli = _cli(tmp_path, f"model.weights_dir={tiny_weights}", f"data.limit={N}")
+    q = lambda a: " ".join(f"'{x}'" for x in a)  # noqa: E731
+    script = f"""
+        mount -t tmpfs -o size=2m tmpfs {full} && mount -t tmpfs -o size=8m tmpfs {ro} || exit 90
+        dd if=/dev/zero of={full}/filler bs=1k 2>/dev/null
+        {q(cli)} out_dir={full}/run > /dev/null 2> {tmp_path}/full.err; echo $? > {tmp_path}/full.rc
+        ls -A {full}/run > {tmp_path}/full.ls
+        rm {full}/filler
+        {q(cli)} out_dir={full}/run > /dev/null 2> {tmp_path}/full2.err; echo $? > {tmp_path}/full2.rc
+        cp -a {full}/run {tmp_path}/full-run
+        {q(cli)} out_dir={ro}/run > /dev/null 2> {tmp_path}/ro.err & job=$!
+        until ls {ro}/run/images/*.parquet > /dev/null 2>&1 || ! kill -0 $job 2>/dev/null; do sleep 0.05; done
+        until mount -o remount,ro {ro} 2>/dev/null || ! kill -0 $job 2>/dev/null; do sleep 0.02; done
+        wait $job; echo $? > {tmp_path}/ro.rc
+        mount -o remount,rw {ro}
+        {q(cli)} out_dir={ro}/run > {tmp_path}/ro2.out 2> {tmp_path}/ro2.err; echo $? > {tmp_path}/ro2.rc
+        cp -a {ro}/run {tmp_path}/ro-run
+    """
+    r = subprocess.run(["unshare", "-Urm", "sh", "-c", script], cwd=REPO, env=_clean_env(), timeout=500,
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    rc = {name: (tmp_path / f"{name}.rc").read_text().strip() for name in ("full", "full2", "ro", "ro2")}
+    err = {name: (tmp_path / f"{name}.err").read_text() for name in rc}
+    for name, cause in (("full", "No space left on device (ENOSPC)"), ("ro", "Read-only file system (EROFS)")):
+        lines = [x for x in err[name].splitlines() if x.strip() and not x.startswith("(")]
+        assert rc[name] == "3" and "Traceback" not in err[name], err[name]
+        assert lines[-1].startswith("error: cannot write ") and cause in lines[-1], err[name]
+    assert "job.lock" not in (tmp_path / "full.ls").read_text()
+    assert rc["full2"] == "0" and rc["ro2"] == "0", err
+    took = (tmp_path / "ro2.out").read_text()
+    assert "taking over out_dir" in took and "is no longer running" in took, took
+    assert_exact(tmp_path / "full-run", reference, N)
+    assert_exact(tmp_path / "ro-run", reference, N)
+
+
+def _listening(pids: set[int]) -> list[str]:
+    """Local addresses of the TCP sockets the processes `pids` listen on (ss)."""
+    out = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True, timeout=30).stdout
+    return [line.split()[3] for line in out.splitlines()
+            if {int(p) for p in re.findall(r"pid=(\d+)", line)} & pids]
+
+
+def _descendants(pid: int) -> dict[int, str]:
+    from tests.chaos import descendants
+    return descendants({pid})
+
+
+@pytest.mark.skipif(not shutil.which("ss"), reason="needs ss (iproute2) to list listening sockets")
+def test_a_private_ray_listens_on_loopback_only(tiny_weights, tmp_path):
+    """cluster.address=null: every socket the job's Ray listens on (GCS, raylet, agents, workers, the
+    driver's core worker) is on 127.0.0.1, sampled once a part is committed. (The old code bound them
+    to 0.0.0.0 or the machine's address.) Then SIGTERM ends the job (143)."""
+    out = tmp_path / "run"
+    proc = subprocess.Popen(_cli(tmp_path, f"model.weights_dir={tiny_weights}", "data.limit=400", f"out_dir={out}",
+                                 "cluster.grace_s=0"), cwd=REPO, env=_clean_env(), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        t0 = time.time()
+        while proc.poll() is None and not list((out / "images").glob("*.parquet")) and time.time() - t0 < 200:
+            time.sleep(0.05)
+        pids = {proc.pid, *_descendants(proc.pid)}
+        addresses = _listening(pids)
+        proc.send_signal(signal.SIGTERM)
+        err = proc.communicate(timeout=120)[1]
+    finally:
+        proc.kill()
+    assert len(pids) > 3 and len(addresses) > 3, (pids, addresses, err)
+    assert all(re.fullmatch(r"(127\.0\.0\.1|\[::ffff:127\.0\.0\.1\]|\[::1\]):\d+", a) for a in addresses), addresses
+    assert proc.returncode == 143, err
+
+
+@pytest.mark.parametrize("when", ["gcs_server", "ray::IDLE"])
+def test_sigterm_while_ray_starts_exits_143_with_ray_shut_down(tiny_weights, tmp_path, when):
+    """SIGTERM once the private Ray's GCS process exists (its node starting), or once its first worker
+    does (the driver connecting, when Ray's own handlers are in place): exit 143 with the usual line,
+    and every process the job started gone when it exits. (The old code: exit 15 with nothing printed,
+    or a stack dump and SIGABRT, Ray's processes left behind.)"""
+    out = tmp_path / "run"
+    proc = subprocess.Popen(_cli(tmp_path, f"model.weights_dir={tiny_weights}", "data.limit=8", f"out_dir={out}"),
+                            cwd=REPO, env=_clean_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    seen, t0 = {}, time.time()
+    try:
+        while proc.poll() is None and time.time() - t0 < 200:
+            seen.update(_descendants(proc.pid))
+            if any(when in cmd for cmd in seen.values()):
+                proc.send_signal(signal.SIGTERM)
+                break
+            time.sleep(0.01)
+        err = proc.communicate(timeout=120)[1]
+    finally:
+        proc.kill()
+    assert any(when in cmd for cmd in seen.values()), "the job ended before Ray started"
+    lines = [x for x in err.splitlines() if x.strip()]
+    assert proc.returncode == 143, err
+    assert re.fullmatch(r"\[generate\] stopped \(SIGTERM\): 0 prompts committed in this run, 8 left; rerun the "
+                        r"same command to finish", lines[-1]), err
+    t1 = time.time()                  # Ray's worker processes exit as they notice the raylet gone
+    while [p for p in seen if Path(f"/proc/{p}").exists()] and time.time() - t1 < 30:
+        time.sleep(0.1)
+    left = {p: c[:80] for p, c in seen.items() if Path(f"/proc/{p}").exists()}
+    assert not left, left
+    assert not (out / "job.lock").exists()

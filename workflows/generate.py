@@ -138,13 +138,26 @@ def validate(c: GenerateConfig) -> None:
         log.info(f"[generate] model.name={c.model.name}: no header check for this family; the actors load it")
 
 
-def start_ray(cl) -> str | None:
-    """Attach to cluster.address, or start a private local Ray (address="local": never a head that
-    happens to run on this machine, nor RAY_ADDRESS). -> "attached", "local", or None when Ray was
-    already initialized by the caller."""
+# Ray's single-machine mode (read when ray is imported, by this process and every Ray process it
+# starts): a private local Ray binds GCS, raylet, agents and workers to 127.0.0.1 only.
+LOOPBACK_ENV = ("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+
+
+def start_ray(cl, stop) -> str | None:
+    """Attach to cluster.address, or start a private local Ray on loopback only (address="local": never
+    a head that happens to run on this machine, nor RAY_ADDRESS). -> "attached", "local", or None when
+    Ray was already initialized by the caller. A SIGTERM meanwhile is held (Stop.held) and then requests
+    `stop` like any other: ray.init installs handlers that exit, or dump a stack and abort, on it."""
     import ray
     if ray.is_initialized():
         return None
+    with stop.held():
+        _ray_init(cl)
+    return "attached" if cl.address else "local"
+
+
+def _ray_init(cl) -> None:
+    import ray
     if cl.address:
         try:
             ray.init(address=cl.address)
@@ -154,11 +167,13 @@ def start_ray(cl) -> str | None:
                               f"cluster (ray start --head), or use cluster.address=null for a local Ray; if the head "
                               f"uses token authentication, {token}give its token (RAY_AUTH_TOKEN or "
                               f"~/.ray/auth_token)") from None
-        return "attached"
+        return
+    if os.environ.get(LOOPBACK_ENV[0]) != LOOPBACK_ENV[1]:
+        log.warning(f"[generate] ray was imported before the job could set {'='.join(LOOPBACK_ENV)}: this private "
+                    f"Ray listens on every interface of this machine")
     need = math.ceil((cl.num_actors or 1) * cl.num_cpus_per_actor)
     ray.init(address="local", num_cpus=cl.local_num_cpus or max(need, os.cpu_count() or 1),
              num_gpus=None if cl.num_gpus_per_actor else 0, include_dashboard=False)
-    return "local"
 
 
 def _bundle(cl) -> dict:
@@ -295,15 +310,17 @@ def run(cfg: DictConfig) -> dict:
     from workflows.lock import OutDirLock, Stop, on_sigterm
     c: GenerateConfig = to_object(cfg)
     validate(c)
+    if c.cluster.address is None and "ray" not in sys.modules:    # before ray is imported (start_ray)
+        os.environ[LOOPBACK_ENV[0]] = LOOPBACK_ENV[1]
     out_dir = Path(c.out_dir)
     claim_out_dir(out_dir)
     stop = Stop(c.cluster.grace_s)
-    with on_sigterm(stop), OutDirLock(out_dir, c.cluster.lock_timeout_s, stop):   # workflows/lock.py
-        return _generate(c, out_dir, stop)
+    with on_sigterm(stop), OutDirLock(out_dir, c.cluster.lock_timeout_s, stop) as lock:   # workflows/lock.py
+        return _generate(c, out_dir, stop, lock.me["token"])
 
 
-def _generate(c: GenerateConfig, out_dir: Path, stop) -> dict:
-    from actors.output import remove_leftovers, write_bytes_atomic
+def _generate(c: GenerateConfig, out_dir: Path, stop, token: Optional[str] = None) -> dict:
+    from actors.output import check_lock, remove_leftovers, write_bytes_atomic
     from actors.pool import ActorStartError, Progress, run_batches
     from workflows.lock import Preempted
     plan = plan_job(c, c.verify)
@@ -316,23 +333,23 @@ def _generate(c: GenerateConfig, out_dir: Path, stop) -> dict:
         import ray
         from ray.util.placement_group import remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-        kind = start_ray(cl)
-        stop.catch_sigterm()   # again: ray.init's core worker replaced the handler with one that aborts
+        kind = start_ray(cl, stop)
         ray_start_s = time.time() - t0
         pgs = []
         try:
-            slots = cluster_slots(cl)
-            asked = f"cluster.num_actors={cl.num_actors}"
-            if cl.num_actors is None:
-                cl.num_actors = max(1, slots)
-                asked = f"cluster.num_actors=null: one per slot, {slots} now, at least 1"
-                log.info(f"[generate] cluster.num_actors=null: {cl.num_actors} actor(s), one per slot "
-                         f"({_bundle(cl)} each)")
-            pgs = place_actors(cl, min(cl.num_actors, st.batches), asked,
-                               cl.wait_s if kind != "local" else min(cl.wait_s, LOCAL_WAIT_S))
-            actors = len(pgs)
-            run_batches(c, out_dir, plan.batches(), tally, [PlacementGroupSchedulingStrategy(pg, 0) for pg in pgs],
-                        stop)
+            if not stop:       # (a SIGTERM while Ray started: nothing is placed, Ray is shut down below)
+                slots = cluster_slots(cl)
+                asked = f"cluster.num_actors={cl.num_actors}"
+                if cl.num_actors is None:
+                    cl.num_actors = max(1, slots)
+                    asked = f"cluster.num_actors=null: one per slot, {slots} now, at least 1"
+                    log.info(f"[generate] cluster.num_actors=null: {cl.num_actors} actor(s), one per slot "
+                             f"({_bundle(cl)} each)")
+                pgs = place_actors(cl, min(cl.num_actors, st.batches), asked,
+                                   cl.wait_s if kind != "local" else min(cl.wait_s, LOCAL_WAIT_S))
+                actors = len(pgs)
+                run_batches(c, out_dir, plan.batches(), tally, [PlacementGroupSchedulingStrategy(pg, 0) for pg in pgs],
+                            stop, token)
         except ActorStartError as e:
             raise ConfigError(f"model: {e}") from None
         finally:
@@ -340,9 +357,11 @@ def _generate(c: GenerateConfig, out_dir: Path, stop) -> dict:
                 remove_placement_group(pg)
             if kind:
                 ray.shutdown()
+        check_lock(out_dir, token)
         remove_leftovers(out_dir)    # what writers killed mid-part (a lost node, a stop) left behind
     summary = summarize(tally, c, st.prompts, st.already, time.time() - t0, ray_start_s, t0 + ray_start_s, actors)
     summary["stopped"] = stop.reason
+    check_lock(out_dir, token)
     write_bytes_atomic(json.dumps(summary, indent=2).encode(), out_dir / "summary.json", "summary.json")
     log.info("[generate] summary " + json.dumps(summary))
     left = st.pending - summary["images"] - summary["errors"]
