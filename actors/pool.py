@@ -111,11 +111,12 @@ def _start_error(e: RayActorError) -> ActorStartError:
     return ActorStartError(f"the generator actors could not start: {cause[:300]}")
 
 
-def run_batches(cfg, out_dir: Path, batches, progress, placements: list, stop=None, token=None) -> None:
+def run_batches(cfg, out_dir: Path, batches, progress, placements: list, stop=None, token=None,
+                prompts=None) -> None:
     """Run `batches` (an iterator: only the batches in flight are held, workflows/plan.py) on one actor
     per entry of `placements` (a Ray scheduling strategy, e.g. a placement group bundle, or None),
     reporting each committed part to `progress.update`. `token`: the job's lock, checked before every
-    commit (actors and driver)."""
+    commit (actors and driver). `prompts`: how many are pending, the most rows an actor needs."""
     c = cfg.cluster
     actor_cls = ray.remote(Generator)
 
@@ -123,7 +124,7 @@ def run_batches(cfg, out_dir: Path, batches, progress, placements: list, stop=No
         return actor_cls.options(num_cpus=c.num_cpus_per_actor, num_gpus=c.num_gpus_per_actor,
                                  max_restarts=c.max_actor_restarts, max_task_retries=c.max_actor_restarts,
                                  max_concurrency=IN_FLIGHT_PER_ACTOR + 1,   # its parts share the engine's rows
-                                 scheduling_strategy=placements[a]).remote(cfg, str(out_dir), token)
+                                 scheduling_strategy=placements[a]).remote(cfg, str(out_dir), token, prompts)
 
     n = len(placements)
     actors = [spawn(a) for a in range(n)]

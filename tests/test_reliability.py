@@ -672,3 +672,27 @@ def test_sigterm_while_ray_starts_exits_143_with_ray_shut_down(tiny_weights, tmp
     left = {p: c[:80] for p, c in seen.items() if Path(f"/proc/{p}").exists()}
     assert not left, left
     assert not (out / "job.lock").exists()
+
+
+def test_rows_never_exceed_the_prompts_and_a_batch_that_cannot_fit_is_refused(ray_cluster, tiny_weights, tmp_path,
+                                                                             monkeypatch):
+    """cluster.batch_size=10000 on 6 prompts: the actor decodes in 6 rows (the images record it; the old
+    code allocated caches for 10000, 20000 with CFG). A batch whose KV cache and logits, estimated from
+    the model's dims, exceed the device's free memory (100 kB injected) is refused before any is
+    allocated, in one line naming cluster.batch_size and how many rows fit."""
+    s = job(*args(tiny_weights, tmp_path / "big", 6, "cluster.batch_size=10000", "cluster.num_actors=1"))
+    assert s["images"] == 6 and set(images(tmp_path / "big").batch_size) == {6}
+    from ray import cloudpickle
+
+    import actors.pool
+    import tests.poison
+    cloudpickle.register_pickle_by_value(tests.poison)
+    monkeypatch.setattr(actors.pool, "Generator", tests.poison.CrampedGenerator)
+    try:
+        with pytest.raises(ConfigError, match=r"could not start: MemoryError: cluster.batch_size=40: 40 rows need at "
+                                              r"least 0\.\d MiB .* the device has 0\.1 MiB free: lower "
+                                              r"cluster.batch_size \(at most \d+ fit\)"):
+            job(*args(tiny_weights, tmp_path / "cramped", 40, "cluster.batch_size=40", "cluster.num_actors=1"))
+    finally:
+        cloudpickle.unregister_pickle_by_value(tests.poison)
+    assert not list((tmp_path / "cramped").glob("images/*.parquet"))

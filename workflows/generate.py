@@ -349,7 +349,7 @@ def _generate(c: GenerateConfig, out_dir: Path, stop, token: Optional[str] = Non
                                    cl.wait_s if kind != "local" else min(cl.wait_s, LOCAL_WAIT_S))
                 actors = len(pgs)
                 run_batches(c, out_dir, plan.batches(), tally, [PlacementGroupSchedulingStrategy(pg, 0) for pg in pgs],
-                            stop, token)
+                            stop, token, st.pending)
         except ActorStartError as e:
             raise ConfigError(f"model: {e}") from None
         finally:
