@@ -696,3 +696,67 @@ def test_rows_never_exceed_the_prompts_and_a_batch_that_cannot_fit_is_refused(ra
     finally:
         cloudpickle.unregister_pickle_by_value(tests.poison)
     assert not list((tmp_path / "cramped").glob("images/*.parquet"))
+
+
+def test_a_job_whose_lock_was_taken_over_commits_nothing_more(reference, tiny_weights, tmp_path):
+    """The lock taken over (another job's token in it) while this job's actor decodes a batch: the
+    actor writes no file of that part and the driver appends no manifest line (the old code committed
+    both, and the driver went on appending duplicate lines)."""
+    out = tmp_path / "run"
+    c = typed(tiny_weights, out, 4)
+    check_out_dir(out, fingerprint(c))
+    lock = OutDirLock(out).acquire()
+    try:
+        threads = torch.get_num_threads()
+        gen = Generator(c, str(out), lock.me["token"])
+        torch.set_num_threads(threads)
+        items = pending_items(c)
+        res = gen.run(part_name(items[:2]), items[:2])                # holds the lock: committed
+        _record(out, res, lock.me["token"])
+        (out / "job.lock").write_text(json.dumps({**lock.me, "token": "the-new-owner"}))
+        with pytest.raises(output.LockLost, match=f"another job took over out_dir={out}"):
+            gen.run(part_name(items[2:]), items[2:])
+        with pytest.raises(output.LockLost):
+            _record(out, res, lock.me["token"])
+    finally:
+        lock.release()
+    assert sorted(f.stem for t in output.TABLES for f in (out / t).glob("*.parquet")) == [res.part] * 3
+    assert len((out / "manifest.jsonl").read_text().splitlines()) == 1
+    assert output.LockLost.code == 143
+
+
+def test_a_suspended_owner_on_this_host_is_taken_over_once_silent(reference, tiny_weights, tmp_path, caplog):
+    """The lock's owner runs on this host (its pid alive, e.g. stopped with SIGSTOP) but its heartbeat
+    is older than cluster.lock_timeout_s: taken over with a line, as the README says of a silent owner
+    (the old code refused it for as long as the pid lived)."""
+    out = tmp_path / "run"
+    shutil.copytree(reference[0], out)
+    owner = subprocess.Popen(["sleep", "300"])
+    try:
+        me = OutDirLock(out).me
+        from workflows.lock import _pid_start
+        (out / "job.lock").write_text(json.dumps({**me, "pid": owner.pid, "pid_start": _pid_start(owner.pid),
+                                                  "token": "suspended"}))
+        os.utime(out / "job.lock", (time.time() - 120, time.time() - 120))
+        caplog.set_level(logging.WARNING, logger="arspec.job")
+        s = job(*args(tiny_weights, out, N, "cluster.lock_timeout_s=60"))
+    finally:
+        owner.kill()
+        owner.wait()
+    assert s["already_done"] == N
+    assert re.search(rf"its lock's owner, the job of pid {owner.pid} on host .*, has been silent for 1\d\ds", caplog.text)
+
+
+def test_a_prompt_file_with_no_prompts_is_refused_in_one_line(tiny_weights, tmp_path):
+    """A Parquet prompt file with no rows: one line naming data.path, exit 2, nothing generated (the
+    old code exited 0 with no word)."""
+    data = tmp_path / "empty.parquet"
+    pq.write_table(pa.table({"prompt": pa.array([], pa.string())}), data)
+    r = subprocess.run([sys.executable, "-m", "workflows.generate", f"model.weights_dir={tiny_weights}", "data=file",
+                        f"data.path={data}", f"out_dir={tmp_path / 'run'}", f"hydra.run.dir={tmp_path / 'h'}"],
+                       capture_output=True, text=True, cwd=REPO, timeout=120, env=_clean_env())
+    lines = [x for x in r.stderr.splitlines() if x.strip()]
+    assert r.returncode == 2 and len(lines) == 1, r.stderr
+    assert lines[0] == f"error: data.path={data}: holds no prompts (data.limit=None): nothing to generate; give a " \
+                       f"prompt set with rows in it"
+    assert not (tmp_path / "run" / "job.json").exists()

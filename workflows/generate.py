@@ -302,6 +302,10 @@ def plan_job(c: GenerateConfig, verify: str = "quick"):
         plan.check()
     except ValueError as e:     # a prompt the model cannot take (text for a class-conditional model)
         raise ConfigError(f"data: {e}") from None
+    if not plan.stats.prompts:
+        where = f"data.path={c.data.path}" if c.data.path else f"data={c.data.name}"
+        raise ConfigError(f"{where}: holds no prompts (data.limit={c.data.limit}): nothing to generate; give a "
+                          f"prompt set with rows in it")
     check_out_dir(out_dir, fp)   # a new out_dir gets its job.json only once its prompts passed the check
     return plan
 
