@@ -44,6 +44,27 @@ class PartResult:
     invalid_tokens: int = 0                # ImageResult.invalid_tokens, summed over the part's images
 
 
+def rows_bytes(bundle, rows: int) -> Optional[int]:
+    """A lower bound of what `rows` decoding rows take: the target's KV cache for its whole sequence
+    (conditioning + image tokens), doubled for the CFG row of each, and one step's logits; None for a
+    model without GPT dims (then no check)."""
+    a = getattr(bundle.gpt, "args", None)
+    if a is None or not hasattr(a, "block_size"):
+        return None
+    seq, width = a.block_size + getattr(a, "cls_token_num", 1), torch.finfo(bundle.dtype).bits // 8
+    return 2 * rows * (a.n_layer * 2 * seq * a.dim * width + a.vocab_size * 4)
+
+
+def check_fits(bundle, rows: int, free: int) -> None:
+    """Refuse, in one line, rows whose caches cannot fit `free` bytes (before any is allocated)."""
+    need = rows_bytes(bundle, rows)
+    if need is not None and need > free:
+        fit = max(1, rows * free // need)
+        raise MemoryError(f"cluster.batch_size={rows}: {rows} rows need at least {need / 2**20:.1f} MiB for the "
+                          f"KV cache and logits of this model, the device has {free / 2**20:.1f} MiB free: lower "
+                          f"cluster.batch_size (at most {fit} fit)")
+
+
 @dataclass
 class _Part:
     """A part waiting in the actor: its prompts' outcomes as the engine thread hands them over."""
@@ -64,17 +85,26 @@ class Generator:
     (docs/design.md, "Engines"), so a row freed by one part's image takes the next part's prompt at
     once. Each call returns when all its prompts are done and its part is committed."""
 
-    def __init__(self, cfg, out_dir: str):
+    def __init__(self, cfg, out_dir: str, token: Optional[str] = None, prompts: Optional[int] = None):
         c = cfg.cluster
+        self.token = token                  # the job's lock: no part is written once it is another job's
         torch.set_num_threads(c.torch_threads or max(1, int(c.num_cpus_per_actor)))
         self.cfg, self.out_dir = cfg, Path(out_dir)
         self.bundle = load_bundle(cfg.model)
         self.engine = build_engine(self.bundle, cfg.engine)
-        self.slots = c.batch_size
+        self.slots = min(c.batch_size, prompts or c.batch_size)     # never more rows than prompts to decode
+        check_fits(self.bundle, self.slots, self.free_memory())
         self._lock = threading.Lock()
         self._parts: dict[str, _Part] = {}
         self._queue: RequestQueue | None = None
         self._thread: threading.Thread | None = None
+
+    def free_memory(self) -> int:
+        """Bytes the caches may take: free GPU memory, or the machine's available memory on a CPU."""
+        if self.bundle.device.type == "cuda":
+            return torch.cuda.mem_get_info(self.bundle.device)[0]
+        with open("/proc/meminfo") as f:
+            return next(int(x.split()[1]) * 1024 for x in f if x.startswith("MemAvailable:"))
 
     def pid(self) -> int:
         return os.getpid()
@@ -116,7 +146,7 @@ class Generator:
                                        for it, msg in failed], schema=ERROR_SCHEMA)
         files = write_part(self.out_dir, part, self._images(done, part),
                    token_table([it["prompt_id"] for it, _ in done], [r.records for _, r in done], self.engine.name),
-                   errors)
+                   errors, self.token)
         return PartResult(part, [it["prompt_id"] for it in items], len(done), len(failed), self.engine.acceptance,
                           gen_s, time.perf_counter() - w0, [r.mean_accept_len for _, r in done],
                           [r.wall_s for _, r in done], [m for _, m in failed], self.node(), os.getpid(), started,

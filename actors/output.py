@@ -25,6 +25,7 @@ import io
 import json
 import logging
 import os
+import re
 import secrets
 import shutil
 import time
@@ -43,6 +44,22 @@ TABLES = ("images", "tokens", "errors")
 WRITE_ORDER = ("tokens", "errors", "images")   # the images file commits the part
 VERIFY_MODES = ("quick", "full")
 log = logging.getLogger("arspec.job")
+
+# Every name a job creates in out_dir (docs/design.md, "Output contract"). Nothing else there is ever
+# read as a part, removed or moved; an out_dir holding anything else and no job.json is refused.
+PART = r"part-\d{10}-\d{10}-[0-9a-f]{16}"
+
+
+def _names(*names: str) -> re.Pattern:
+    """The names, and the temporary names write_chunks_atomic writes them under (.NAME.PID.RANDOM.tmp)."""
+    alts = "|".join(names)
+    return re.compile(rf"(?:{alts})|\.(?:{alts})\.\d+\.[0-9a-f]{{8}}\.tmp")
+
+
+START_NAMES = _names(r"job\.json", r"job\.lock", r"job\.lock\.stale-[0-9a-f]+")   # a job's first files
+TOP_NAMES = _names(r"job\.json", r"manifest\.jsonl", r"summary\.json")
+TABLE_NAMES = _names(rf"{PART}\.parquet")
+QUARANTINE_NAMES = re.compile(rf"{PART}(?:\.\d{{8}}T\d{{6}}\.[0-9a-f]{{4}})?\.parquet")
 
 # Fault injection (tests/test_reliability.py): called with "before:LABEL", "mid:LABEL" (half of the
 # file's bytes are written) and "after:LABEL" around every file this module writes; LABEL is a table
@@ -63,6 +80,28 @@ class JobExit(RuntimeError):
 class OutDirError(JobExit):
     """out_dir cannot be written: disk full, permission denied, read-only mount (exit 3)."""
     code = 3
+
+
+class LockLost(JobExit):
+    """Another job took over out_dir's lock (workflows/lock.py): this one commits nothing more (exit 143,
+    as a stop)."""
+    code, prefix = 143, ""
+
+
+def lock_token(out_dir: Path) -> Optional[str]:
+    """The token of the job that holds out_dir/job.lock now, or None."""
+    try:
+        return json.loads((out_dir / "job.lock").read_bytes()).get("token")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def check_lock(out_dir: Path, token: Optional[str]) -> None:
+    """Before every commit (each file of a part, a manifest line, the end of the job): the job whose
+    lock was taken over (it was silent, e.g. suspended) stops writing. token None: no lock to check."""
+    if token is not None and lock_token(out_dir) != token:
+        raise LockLost(f"[generate] stopped: another job took over out_dir={out_dir} (its lock {out_dir / 'job.lock'} "
+                       f"is no longer this job's); nothing more is written by this one")
 
 
 _STORAGE = {errno.ENOSPC: "free space on it", errno.EDQUOT: "free space or raise the quota",
@@ -205,7 +244,7 @@ def part_span(name: str):
 
 def parquet_bytes(table: pa.Table) -> pa.Buffer:
     sink = pa.BufferOutputStream()
-    pq.write_table(table, sink)
+    pq.write_table(table, sink, write_page_checksum=True)      # a flipped byte in a page fails its CRC32
     return sink.getvalue()
 
 
@@ -214,12 +253,14 @@ def file_info(data, rows: int) -> dict:
     return {"bytes": len(memoryview(data)), "rows": rows, "sha256": hashlib.sha256(data).hexdigest()}
 
 
-def write_part(out_dir: Path, part: str, images: pa.Table, tokens: pa.Table, errors: pa.Table) -> dict:
-    """Tokens, then errors, then images: the images file commits the part. Returns each file's
-    file_info for the manifest."""
+def write_part(out_dir: Path, part: str, images: pa.Table, tokens: pa.Table, errors: pa.Table,
+               token: Optional[str] = None) -> dict:
+    """Tokens, then errors, then images: the images file commits the part; each only while the job
+    holds the lock `token` (check_lock). Returns each file's file_info for the manifest."""
     tables, files = {"images": images, "tokens": tokens, "errors": errors}, {}
     for table in WRITE_ORDER:
         data = parquet_bytes(tables[table])
+        check_lock(out_dir, token)
         write_bytes_atomic(data, out_dir / table / f"{part}.parquet", table)
         files[table] = file_info(data, tables[table].num_rows)
     return files
@@ -273,9 +314,10 @@ def append_manifest(out_dir: Path, entry: dict) -> None:
 
 
 def _check_file(path: Path, info: Optional[dict], full: bool) -> tuple[Optional[str], Optional[dict]]:
-    """(reason it is damaged or None, its file_info). With a recorded `info`: size and footer row count
-    (cheap), and with `full` the sha256. Without one (the driver died before the manifest line): the
-    whole file is read and decoded, and its info computed."""
+    """(reason it is damaged or None, its file_info). With a recorded `info`: size and footer row count,
+    then `full`: the sha256, else (quick) the Parquet page checksums (CRC32 of every data page, which a
+    same-size flip inside the data fails). Without one (the driver died before the manifest line, or the
+    manifest was lost): the page checksums, and its info computed from the file."""
     try:
         size = path.stat().st_size
     except FileNotFoundError:
@@ -288,21 +330,26 @@ def _check_file(path: Path, info: Optional[dict], full: bool) -> tuple[Optional[
         return f"unreadable Parquet footer ({str(e).splitlines()[0][:120]})", None
     if info is not None and rows != info.get("rows"):
         return f"{rows} rows, the manifest recorded {info.get('rows')}", None
-    if info is not None and not full:
-        return None, info
     data = path.read_bytes()
-    if info is not None:
+    if info is not None and full:
         ok = hashlib.sha256(data).hexdigest() == info.get("sha256")
         return (None, info) if ok else ("sha256 differs from the manifest", None)
     try:
-        rows = pq.read_table(pa.BufferReader(data)).num_rows
+        read_checked(pa.BufferReader(data))
     except Exception as e:
-        return f"unreadable Parquet data ({str(e).splitlines()[0][:120]})", None
-    return None, file_info(data, rows)
+        return f"unreadable Parquet data or a page checksum failed ({str(e).splitlines()[0][:120]})", None
+    return None, info or file_info(data, rows)
+
+
+def read_checked(source, columns=None) -> pa.Table:
+    """A Parquet file read with its page checksums verified (files written before they were: unchecked)."""
+    return pq.read_table(source, columns=columns, page_checksum_verification=True)
 
 
 def check_part(out_dir: Path, part: str, entry: Optional[dict], full: bool) -> tuple[Optional[str], Optional[dict]]:
-    """(reason the part is damaged or None, its manifest entry, rebuilt from its files if it had none)."""
+    """(reason the part is damaged or None, its manifest entry, rebuilt from its files if it had none).
+    A part without a sound entry is trusted only as far as its files can be checked alone: page
+    checksums, and every PNG decoded."""
     recorded = (entry or {}).get("files") or {}
     files = {}
     for table in WRITE_ORDER:
@@ -312,8 +359,14 @@ def check_part(out_dir: Path, part: str, entry: Optional[dict], full: bool) -> t
         files[table] = info
     if recorded and len(entry.get("prompt_ids") or []) == files["images"]["rows"] + files["errors"]["rows"]:
         return None, entry
-    ids = [pq.read_table(out_dir / t / f"{part}.parquet", columns=["prompt_id"]).column(0).to_pylist()
-           for t in ("images", "errors")]
+    images = read_checked(out_dir / "images" / f"{part}.parquet", columns=["prompt_id", "image"])
+    for pid, image in zip(images.column("prompt_id").to_pylist(), images.column("image").to_pylist()):
+        try:
+            Image.open(io.BytesIO(image["bytes"])).load()
+        except Exception as e:
+            return f"images/{part}.parquet: the PNG of {pid!r} does not decode ({str(e).splitlines()[0][:80]})", None
+    ids = [images.column("prompt_id").to_pylist(),
+           read_checked(out_dir / "errors" / f"{part}.parquet", columns=["prompt_id"]).column(0).to_pylist()]
     return None, {**manifest_entry(part, ids[0] + ids[1], len(ids[0]), len(ids[1]), files), "time": None}
 
 
@@ -333,23 +386,57 @@ def quarantine(out_dir: Path, part: str, reason: str) -> Path:
     return q
 
 
+def survey(out_dir: Path) -> tuple[list[str], list[str]]:
+    """What out_dir holds, by the names above: (a job's files beyond its first ones: parts, manifest,
+    summary, quarantine; entries no job writes), as paths relative to out_dir, sorted."""
+    written, foreign = [], []
+    for e in sorted(os.scandir(out_dir), key=lambda e: e.name):
+        kind = "dir" if e.is_dir(follow_symlinks=False) else "file" if e.is_file(follow_symlinks=False) else "other"
+        if kind == "file" and START_NAMES.fullmatch(e.name):
+            continue
+        if kind == "file" and TOP_NAMES.fullmatch(e.name):
+            written.append(e.name)
+        elif kind == "dir" and e.name in TABLES:
+            inner = {f.name: f.is_file(follow_symlinks=False) for f in os.scandir(e.path)}
+            written += [f"{e.name}/{n}" for n, f in sorted(inner.items()) if f and TABLE_NAMES.fullmatch(n)]
+            foreign += [f"{e.name}/{n}" for n, f in sorted(inner.items()) if not (f and TABLE_NAMES.fullmatch(n))]
+        elif kind == "dir" and e.name == "quarantine":
+            for t in sorted(os.scandir(e.path), key=lambda t: t.name):
+                ok = t.name in TABLES and t.is_dir(follow_symlinks=False)
+                names = sorted(os.listdir(t.path)) if ok else []
+                written += [f"quarantine/{t.name}/{n}" for n in names if QUARANTINE_NAMES.fullmatch(n)]
+                foreign += [f"quarantine/{t.name}/{n}" for n in names if not QUARANTINE_NAMES.fullmatch(n)]
+                if not ok:
+                    foreign.append(f"quarantine/{t.name}")
+        else:
+            foreign.append(e.name + ("/" if kind == "dir" else ""))
+    return written, foreign
+
+
 def remove_leftovers(out_dir: Path, parts=None) -> None:
     """Remove the temporary files of interrupted writes, and the tokens/errors files of parts never
     committed (no images file; `parts`: the committed parts, by default those with an images file).
-    Run on start (`recover`) and when a job ends, its actors gone: a writer killed mid-part (a lost
-    node, SIGTERM with no grace left) leaves these, and no one else will. Never while writers run."""
+    Only names a job writes (above) are touched. Run on start (`recover`) and when a job ends, its
+    actors gone: a writer killed mid-part (a lost node, SIGTERM with no grace left) leaves these, and
+    no one else will. Never while writers run."""
     if parts is None:
-        images_dir = out_dir / "images"
-        parts = {f.stem for f in images_dir.glob("*.parquet")} if images_dir.is_dir() else set()
-    leftovers = [f for f in out_dir.glob(".*.tmp")]
+        parts = {f.stem for f in _part_files(out_dir / "images")}
+    leftovers = [out_dir / n for n in os.listdir(out_dir) if n.endswith(".tmp") and TOP_NAMES.fullmatch(n)] \
+        if out_dir.is_dir() else []
     for table in TABLES:
         d = out_dir / table
         if d.is_dir():
-            leftovers += [f for f in d.iterdir() if f.name.endswith(".tmp")
-                          or (table != "images" and f.suffix == ".parquet" and f.stem not in parts)]
+            leftovers += [d / n for n in os.listdir(d) if TABLE_NAMES.fullmatch(n)
+                          and (n.endswith(".tmp") or (table != "images" and n[:-len(".parquet")] not in parts))]
     for f in leftovers:
         with storage(f):
             f.unlink(missing_ok=True)
+
+
+def _part_files(d: Path) -> list[Path]:
+    """The part files in d (sorted by name, i.e. by START), never another file someone put there."""
+    return sorted(d / n for n in os.listdir(d) if n.endswith(".parquet") and TABLE_NAMES.fullmatch(n)) \
+        if d.is_dir() else []
 
 
 def inspect(out_dir: Path, verify: str = "quick") -> tuple[dict[str, int], dict[str, str]]:
@@ -367,8 +454,7 @@ def _inspect(out_dir: Path, full: bool, listed: dict[str, int]):
     entry rebuilt from the files)."""
     parts, damaged, rebuilt = {}, {}, {}
     covered, owner = -1, None                  # the furthest position a sound part reaches, and that part
-    images_dir = out_dir / "images"
-    for f in sorted(images_dir.glob("*.parquet")) if images_dir.is_dir() else []:   # sorted by START
+    for f in _part_files(out_dir / "images"):   # sorted by START
         entry = manifest_line(out_dir, listed.get(f.stem))
         reason, checked = check_part(out_dir, f.stem, entry, full)
         span = part_span(f.stem)
@@ -392,6 +478,10 @@ def recover(out_dir: Path, verify: str = "quick") -> dict[str, int]:
         raise ValueError(f"verify={verify!r}: choose one of {', '.join(VERIFY_MODES)}")
     lines = read_manifest(out_dir)
     parts, damaged, rebuilt = _inspect(out_dir, verify == "full", lines)
+    if rebuilt:
+        log.warning(f"[generate] {len(rebuilt)} committed part(s) had no manifest line (e.g. {next(iter(rebuilt))}: "
+                    f"the driver stopped before writing it, or manifest.jsonl lost lines): checked from their files "
+                    f"alone (Parquet page checksums, every PNG decoded), their lines written again")
     for part, reason in damaged.items():
         quarantine(out_dir, part, reason)
     remove_leftovers(out_dir, parts)

@@ -12,7 +12,7 @@ a batch that died beside another one is not charged: it is retried alone on an a
 only deaths alone count as its attempts (else the batch beside a poisoned one became error rows too).
 A lost node's actors are dropped from the pool and their batches go to the others without counting as
 attempts (Ray would restart them only where there is room, and may wait forever). An OutDirError (disk full, read-only, permission) stops
-the job at once: no retry can fix it. A `stop` (SIGTERM, workflows/lock.py) ends the queue; in-flight
+the job at once: no retry can fix it; so does a lock another job took over (output.check_lock). A `stop` (SIGTERM, workflows/lock.py) ends the queue; in-flight
 batches may finish until its deadline, then the actors are killed (their parts stay uncommitted).
 """
 from __future__ import annotations
@@ -27,8 +27,8 @@ import ray
 from ray.exceptions import RayActorError, RayTaskError
 
 from actors.generator import Generator, PartResult
-from actors.output import (ERROR_SCHEMA, IMAGE_SCHEMA, TOKEN_SCHEMA, OutDirError, append_manifest, check_part,
-                           manifest_entry, part_name, write_part)
+from actors.output import (ERROR_SCHEMA, IMAGE_SCHEMA, TOKEN_SCHEMA, JobExit, append_manifest, check_lock,
+                           check_part, manifest_entry, part_name, write_part)
 
 log = logging.getLogger("arspec.job")
 IN_FLIGHT_PER_ACTOR = 2
@@ -61,17 +61,19 @@ class Progress:
         return self.already + self.images + self.errors
 
 
-def _error_part(out_dir: Path, part: str, items: list[dict], engine: str, reason: str) -> PartResult:
+def _error_part(out_dir: Path, part: str, items: list[dict], engine: str, reason: str, token=None) -> PartResult:
     rows = [{"prompt_id": it["prompt_id"], "prompt": it["prompt"], "seed": it["seed"], "engine": engine,
              "error": reason, "part": part} for it in items]
     files = write_part(out_dir, part, IMAGE_SCHEMA.empty_table(), TOKEN_SCHEMA.empty_table(),
-                       pa.Table.from_pylist(rows, schema=ERROR_SCHEMA))
+                       pa.Table.from_pylist(rows, schema=ERROR_SCHEMA), token)
     return PartResult(part, [it["prompt_id"] for it in items], 0, len(items), acceptance="",
                       error_messages=[reason] * len(items), files=files)
 
 
-def _record(out_dir: Path, res: PartResult) -> None:
-    """The part's manifest line, with its files' sizes, rows and checksums (read back if not reported)."""
+def _record(out_dir: Path, res: PartResult, token=None) -> None:
+    """The part's manifest line, with its files' sizes, rows and checksums (read back if not reported),
+    while the job holds its lock (`token`, output.check_lock)."""
+    check_lock(out_dir, token)
     files = res.files or check_part(out_dir, res.part, None, full=True)[1]["files"]
     append_manifest(out_dir, manifest_entry(res.part, res.prompt_ids, res.images, res.errors, files))
 
@@ -109,10 +111,12 @@ def _start_error(e: RayActorError) -> ActorStartError:
     return ActorStartError(f"the generator actors could not start: {cause[:300]}")
 
 
-def run_batches(cfg, out_dir: Path, batches, progress, placements: list, stop=None) -> None:
+def run_batches(cfg, out_dir: Path, batches, progress, placements: list, stop=None, token=None,
+                prompts=None) -> None:
     """Run `batches` (an iterator: only the batches in flight are held, workflows/plan.py) on one actor
     per entry of `placements` (a Ray scheduling strategy, e.g. a placement group bundle, or None),
-    reporting each committed part to `progress.update`."""
+    reporting each committed part to `progress.update`. `token`: the job's lock, checked before every
+    commit (actors and driver). `prompts`: how many are pending, the most rows an actor needs."""
     c = cfg.cluster
     actor_cls = ray.remote(Generator)
 
@@ -120,7 +124,7 @@ def run_batches(cfg, out_dir: Path, batches, progress, placements: list, stop=No
         return actor_cls.options(num_cpus=c.num_cpus_per_actor, num_gpus=c.num_gpus_per_actor,
                                  max_restarts=c.max_actor_restarts, max_task_retries=c.max_actor_restarts,
                                  max_concurrency=IN_FLIGHT_PER_ACTOR + 1,   # its parts share the engine's rows
-                                 scheduling_strategy=placements[a]).remote(cfg, str(out_dir))
+                                 scheduling_strategy=placements[a]).remote(cfg, str(out_dir), token, prompts)
 
     n = len(placements)
     actors = [spawn(a) for a in range(n)]
@@ -183,8 +187,8 @@ def run_batches(cfg, out_dir: Path, batches, progress, placements: list, stop=No
         try:
             res = ray.get(ready[0])
         except (RayActorError, RayTaskError) as e:
-            if isinstance(getattr(e, "cause", None), OutDirError):
-                raise e.cause from None         # disk full, read-only, permission: no retry can help
+            if isinstance(getattr(e, "cause", None), JobExit):
+                raise e.cause from None         # disk full, read-only, permission, lock lost: no retry can help
             if actor in lost:                   # its node died: not the batch's fault
                 queue.appendleft(items)
                 submit(next((b for b in range(n) if actors[b] is not None), a))
@@ -206,10 +210,10 @@ def run_batches(cfg, out_dir: Path, batches, progress, placements: list, stop=No
                 queue.appendleft(items)
                 submit(a)
                 continue
-            res = _error_part(out_dir, part, items, cfg.engine.name, reason)
+            res = _error_part(out_dir, part, items, cfg.engine.name, reason, token)
         attempts.pop(part, None)
         solo.discard(part)
-        _record(out_dir, res)
+        _record(out_dir, res, token)
         progress.update(res)
         submit(a)
     if stop:

@@ -177,10 +177,11 @@ def read_checkpoint(path, key: Optional[str] = None, keys=("model", "module", "s
                 obj = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
         text = str(e)
-        refused = re.search(r"Unsupported global: GLOBAL (\S+)", text)
+        refused = re.search(r"(?i)unsupported (?:global: )?GLOBAL (\S+)", text)
         if refused:
-            raise ValueError(f"{where}: holds a Python object a weights-only load refuses ({refused.group(1)}); "
-                             f"re-save only its state dict, or convert it to safetensors") from None
+            raise ValueError(f"{where}: holds Python objects a weights-only load refuses ({refused.group(1)}): "
+                             f"the safety check that keeps a checkpoint from running code, not damage; re-save "
+                             f"only its state dict, or convert it to safetensors") from None
         detail = re.search(r"WeightsUnpickler error:\s*(\S[^\n]*)", text)
         raise ValueError(f"{where}: not a readable checkpoint: corrupted, truncated, or not a torch or "
                          f"safetensors file ({detail.group(1) if detail else _first_line(e)})") from None

@@ -13,3 +13,10 @@ class PoisonedGenerator(Generator):
         if any(it["prompt_id"] == "poison" for it in items):
             os._exit(1)
         return super().run(part, items)
+
+
+class CrampedGenerator(Generator):
+    """A generator actor on a device with 100 kB free (tests/test_reliability.py): the memory check
+    sized by the model's dims, with the device's free memory injected."""
+    def free_memory(self) -> int:
+        return 100_000

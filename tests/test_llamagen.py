@@ -6,6 +6,7 @@ randomly initialised T5; class-id prompts; the drafter stage for a LlamaGen targ
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from dataclasses import replace
@@ -174,12 +175,19 @@ def test_corrupted_wrong_family_and_wrong_shape_checkpoints_fail_in_one_line(c2i
         def __reduce__(self):
             return (eval, ("print('pwned')",))
     torch.save({"model": c2i_files[1]["weights"], "hook": Evil()}, tmp_path / "evil.pt")
+
+    class Blocked:             # a module torch blocks outright: once reported as a corrupted file
+        def __reduce__(self):
+            return (os.system, ("echo pwned",))
+    torch.save({"model": c2i_files[1]["weights"], "hook": Blocked()}, tmp_path / "blocked.pt")
     t2i = save(gpt_weights(small_t2i()), tmp_path / "t2i.pt")
     bigger = save(gpt_weights(small_c2i(n_layer=3, dim=96)), tmp_path / "bigger.pt")
 
     cases = [(dict(gpt_ckpt=str(tmp_path / "truncated.pt")), r"model.gpt_ckpt=.*truncated.pt: not a readable checkpoint"),
              (dict(vq_ckpt=str(tmp_path / "garbage.safetensors")), r"model.vq_ckpt=.*: not a readable safetensors file"),
-             (dict(gpt_ckpt=str(tmp_path / "evil.pt")), r"holds a Python object a weights-only load refuses \((builtins\.)?eval\)"),
+             (dict(gpt_ckpt=str(tmp_path / "evil.pt")), r"holds Python objects a weights-only load refuses \((builtins\.)?eval\)"),
+             (dict(gpt_ckpt=str(tmp_path / "blocked.pt")), r"holds Python objects a weights-only load refuses "
+                                                           r"\((posix|os)\.system\): the safety check"),
              (dict(gpt_ckpt=cfg.vq_ckpt), r"holds a LlamaGen VQ image tokenizer .*not a LlamaGen GPT, class-conditional; "
                                           r"it belongs in model.vq_ckpt="),
              (dict(gpt_ckpt=str(t2i)), r"holds a LlamaGen GPT, text-conditional .*it belongs in model=llamagen_t2i"),

@@ -19,6 +19,7 @@ import time
 import _thread
 from pathlib import Path
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
@@ -30,7 +31,8 @@ from actors.pool import _record, part_name
 from decoding.sampling import prompt_seed
 from tests.conftest import REPO
 from tests.test_job import TINY, image_bytes, images, job
-from workflows.config import to_object
+from workflows.config import ConfigError, to_object
+from workflows.generate import check_out_dir, fingerprint
 from workflows.lock import LockHeld, OutDirLock, Preempted, Stop
 from workflows.prompts import read_prompts
 
@@ -114,6 +116,7 @@ def test_crash_at_every_part_write_boundary_then_rerun_is_exact(reference, tiny_
     out = tmp_path / "run"
     c = typed(tiny_weights, out, N)
     items = pending_items(c)
+    check_out_dir(out, fingerprint(c))                # what the job writes first
     threads = torch.get_num_threads()
     gen = Generator(c, str(out))                      # the actor's code, in this process
     torch.set_num_threads(threads)
@@ -172,7 +175,7 @@ def _truncate(path: Path) -> None:
 
 def test_damaged_parts_are_quarantined_and_regenerated(reference, tiny_weights, tmp_path, caplog):
     """A truncated images file and a truncated tokens file (a failed copy, a bad disk), a byte flipped
-    inside a third part (same size: only verify=full sees it), and a part repeating prompts that
+    inside a third part (same size: its page checksum, or verify=full's sha256, sees it), and a part repeating prompts that
     another part holds (two jobs once wrote this out_dir). workflows.verify names them and exits 1; the
     rerun moves each to quarantine/ with a line and regenerates their prompts."""
     ref_out = reference[0]
@@ -202,8 +205,8 @@ def test_damaged_parts_are_quarantined_and_regenerated(reference, tiny_weights, 
     assert any(parts[0] in x and "images/" in x and "the manifest recorded" in x for x in lines), r.stdout
     assert any(parts[1] in x and "tokens/" in x for x in lines), r.stdout
     assert any(repeats in x and f"already in {parts[3]}" in x for x in lines), r.stdout
-    assert not any(parts[2] in x for x in lines)       # quick: sizes and footers only
-    assert parts[2] in output.inspect(out, "full")[1]   # full: the checksum
+    assert any(parts[2] in x and "page checksum failed" in x for x in lines), r.stdout    # quick: page CRCs
+    assert "sha256 differs" in output.inspect(out, "full")[1][parts[2]]                # full: the sha256
 
     caplog.set_level(logging.WARNING, logger="arspec.job")
     s = job(*args(tiny_weights, out, N, "cluster.batch_size=4", "verify=full"))
@@ -437,3 +440,323 @@ def test_lost_node_its_batches_are_retried_elsewhere(ray_cluster, reference, tin
     assert "was on a lost node" in caplog.text
     assert s["errors"] == 0
     assert_exact(out, reference, n)
+
+
+def _tree(d: Path) -> dict:
+    return {str(f.relative_to(d)): f.read_bytes() if f.is_file() else None for f in sorted(d.rglob("*"))}
+
+
+def test_an_out_dir_that_is_not_a_jobs_is_refused_and_left_untouched(reference, tiny_weights, tmp_path, caplog):
+    """A directory holding files no job writes (names like a job's temporaries and parts, but not
+    theirs), the filesystem root and the source tree: refused in one line naming what was found, before
+    anything (the lock included) is written. In a job's own out_dir such files are left alone: not
+    removed as leftovers, not quarantined as damaged parts. (The old code deleted the first four and
+    moved photos.parquet to quarantine/, exit 0.)"""
+    mine = {".notes.tmp": b"notes", "tokens/vocab.parquet": None, "tokens/draft.tmp": b"draft",
+            "errors/log.parquet": None, "images/photos.parquet": None}
+    some = next((reference[0] / "images").glob("*.parquet")).read_bytes()
+    out = tmp_path / "user"
+    for name, data in mine.items():
+        (out / name).parent.mkdir(parents=True, exist_ok=True)
+        (out / name).write_bytes(data or some)
+    before = _tree(out)
+    with pytest.raises(ConfigError, match=rf"out_dir={out} is not a job's directory \(job.json is missing\) and "
+                                          rf"holds \.notes\.tmp, errors/log\.parquet, images/photos\.parquet, \.\.\.: "
+                                          rf"nothing was changed"):
+        job(*args(tiny_weights, out, 4))
+    assert _tree(out) == before
+    for where in ("/", str(REPO)):
+        with pytest.raises(ConfigError, match=f"out_dir={where} is not a job's directory"):
+            job(*args(tiny_weights, where, 4))
+    assert not Path("/job.lock").exists() and not (REPO / "job.lock").exists()
+
+    ran = tmp_path / "run"                      # a job's own out_dir, with the user's files put into it
+    shutil.copytree(reference[0], ran)
+    for name, data in mine.items():
+        (ran / name).write_bytes(data or some)
+    caplog.set_level(logging.WARNING, logger="arspec.job")
+    s = job(*args(tiny_weights, ran, N))
+    assert s["already_done"] == N and "quarantined" not in caplog.text
+    assert f"out_dir={ran} also holds 5 entries no job writes" in caplog.text
+    assert all((ran / name).read_bytes() == (data or some) for name, data in mine.items())
+
+
+def test_committed_parts_without_job_json_are_refused(reference, tiny_weights, tmp_path):
+    """job.json deleted from a finished out_dir, rerun with another seed: refused in one line (the old
+    code wrote a new job.json saying seed 7 over seed 0's images, exit 0). A damaged job.json beside
+    committed parts is refused the same way, as bad input (exit 2), not as "cannot write" (3)."""
+    out = tmp_path / "run"
+    shutil.copytree(reference[0], out)
+    (out / "job.json").unlink()
+    with pytest.raises(ConfigError, match=rf"out_dir={out} holds a job's files \(errors/part-.*\) but its job.json "
+                                          rf"is missing: it recorded the settings they were made with"):
+        job(*args(tiny_weights, out, N, "seed=7"))
+    assert not (out / "job.json").exists() and not (out / "job.lock").exists()
+    (out / "job.json").write_text('{"seed": 0, "engine": ')
+    with pytest.raises(ConfigError, match=r"but its job.json is damaged \(.*\): it recorded the settings"):
+        job(*args(tiny_weights, out, N))
+
+
+def _flip_readable(path: Path, start: int) -> int:
+    """Flip one byte of `path` (same size) at the first offset from `start` where a reader that checks
+    no page checksum still reads the file, into different values: damage nothing else would notice.
+    -> the offset."""
+    data = path.read_bytes()
+    want = pq.read_table(path)
+    for at in range(start, len(data)):
+        bad = bytearray(data)
+        bad[at] ^= 0x01
+        try:
+            got = pq.read_table(pa.BufferReader(bytes(bad)))
+        except Exception:
+            continue
+        if not got.equals(want):
+            path.write_bytes(bytes(bad))
+            return at
+    raise AssertionError(f"no readable flip in {path}")
+
+
+def test_a_lost_manifest_does_not_make_damage_the_recorded_truth(reference, tiny_weights, tmp_path, caplog):
+    """manifest.jsonl deleted, then one byte flipped inside a tokens part's data, where a plain reader
+    still reads it (same size, other values): the part has no manifest line to compare against, so
+    verify (quick or full) and the rerun check it from its files alone: its page checksum fails, it is
+    named, quarantined and regenerated, and a line says that parts had no manifest line. And a flipped
+    byte inside a PNG, manifest intact: verify=quick names it (its page checksum). The old code reported
+    0 damaged for both and wrote the damaged file's sha256 into the rebuilt manifest."""
+    out = tmp_path / "run"
+    shutil.copytree(reference[0], out)
+    parts = sorted(f.stem for f in (out / "images").glob("*.parquet"))
+    png = out / "images" / f"{parts[1]}.parquet"
+    data = bytearray(png.read_bytes())
+    data[data.index(b"IDAT") + 8] ^= 0x01                  # inside the first image's compressed pixels
+    png.write_bytes(bytes(data))
+    from workflows.verify import main as verify_main
+    r = subprocess.run([sys.executable, "-m", "workflows.verify", f"out_dir={out}"], capture_output=True,
+                       text=True, cwd=REPO, timeout=120)
+    assert r.returncode == 1 and f"damaged {parts[1]}: images/{parts[1]}.parquet: unreadable Parquet data or a " \
+        f"page checksum failed" in r.stdout, r.stdout + r.stderr
+    (out / "manifest.jsonl").unlink()
+    tokens = out / "tokens" / f"{parts[0]}.parquet"
+    col = pq.ParquetFile(tokens).metadata.row_group(0).column(3)         # token_id
+    _flip_readable(tokens, col.data_page_offset + col.total_compressed_size // 2)
+    for mode in ("quick", "full"):
+        r = subprocess.run([sys.executable, "-m", "workflows.verify", f"out_dir={out}", f"verify={mode}"],
+                           capture_output=True, text=True, cwd=REPO, timeout=120)
+        assert r.returncode == 1, r.stdout + r.stderr
+        assert f"damaged {parts[0]}: tokens/{parts[0]}.parquet: unreadable Parquet data or a page checksum" \
+            in r.stdout, r.stdout
+        assert f"; {len(parts)} part(s) have no manifest line: checked from their files alone" in r.stdout
+    caplog.set_level(logging.WARNING, logger="arspec.job")
+    s = job(*args(tiny_weights, out, N, "cluster.batch_size=4", "verify=full"))
+    assert s["images"] == 8 and f"{len(parts) - 2} committed part(s) had no manifest line" in caplog.text
+    assert quarantined(out) == sorted(f"quarantine/{t}/{p}.parquet" for p in parts[:2] for t in output.TABLES)
+    assert_exact(out, reference, N)
+    assert verify_main([f"out_dir={out}", "verify=full"]) == 0
+
+
+def _cli(tmp_path, *extra) -> list[str]:
+    return [sys.executable, "-m", "workflows.generate", *TINY, "cluster.batch_size=2", "cluster.num_actors=1",
+            "cluster.local_num_cpus=1", f"hydra.run.dir={tmp_path / 'hydra'}", *extra]
+
+
+@pytest.mark.skipif(not shutil.which("unshare") or not _namespaces_work(),
+                    reason="needs unshare -Urm (an unprivileged user + mount namespace) for a tiny tmpfs")
+def test_disk_full_at_start_and_read_only_mid_run_exit_3_and_the_rerun_goes_on(reference, tiny_weights, tmp_path):
+    """Two tmpfs mounts in a mount namespace. One is filled to the last byte before the job starts: the
+    lock cannot be written (ENOSPC): exit 3, one line, and no lock left (the old code: a traceback and
+    an empty job.lock that refused the next run for 60 s). Space freed, the rerun completes. The other
+    is remounted read-only once the job has committed a part: exit 3, one line (the old code: the lock's
+    release raised, a traceback replaced it); remounted read-write, the rerun takes over the dead
+    job's lock at once and completes exactly."""
+    full, ro = tmp_path / "full", tmp_path / "ro"
+    full.mkdir(), ro.mkdir()
+    cli = _cli(tmp_path, f"model.weights_dir={tiny_weights}", f"data.limit={N}")
+    q = lambda a: " ".join(f"'{x}'" for x in a)  # noqa: E731
+    script = f"""
+        mount -t tmpfs -o size=2m tmpfs {full} && mount -t tmpfs -o size=8m tmpfs {ro} || exit 90
+        dd if=/dev/zero of={full}/filler bs=1k 2>/dev/null
+        {q(cli)} out_dir={full}/run > /dev/null 2> {tmp_path}/full.err; echo $? > {tmp_path}/full.rc
+        ls -A {full}/run > {tmp_path}/full.ls
+        rm {full}/filler
+        {q(cli)} out_dir={full}/run > /dev/null 2> {tmp_path}/full2.err; echo $? > {tmp_path}/full2.rc
+        cp -a {full}/run {tmp_path}/full-run
+        {q(cli)} out_dir={ro}/run > /dev/null 2> {tmp_path}/ro.err & job=$!
+        until ls {ro}/run/images/*.parquet > /dev/null 2>&1 || ! kill -0 $job 2>/dev/null; do sleep 0.05; done
+        until mount -o remount,ro {ro} 2>/dev/null || ! kill -0 $job 2>/dev/null; do sleep 0.02; done
+        wait $job; echo $? > {tmp_path}/ro.rc
+        mount -o remount,rw {ro}
+        {q(cli)} out_dir={ro}/run > {tmp_path}/ro2.out 2> {tmp_path}/ro2.err; echo $? > {tmp_path}/ro2.rc
+        cp -a {ro}/run {tmp_path}/ro-run
+    """
+    r = subprocess.run(["unshare", "-Urm", "sh", "-c", script], cwd=REPO, env=_clean_env(), timeout=500,
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    rc = {name: (tmp_path / f"{name}.rc").read_text().strip() for name in ("full", "full2", "ro", "ro2")}
+    err = {name: (tmp_path / f"{name}.err").read_text() for name in rc}
+    for name, cause in (("full", "No space left on device (ENOSPC)"), ("ro", "Read-only file system (EROFS)")):
+        lines = [x for x in err[name].splitlines() if x.strip() and not x.startswith("(")]
+        assert rc[name] == "3" and "Traceback" not in err[name], err[name]
+        assert lines[-1].startswith("error: cannot write ") and cause in lines[-1], err[name]
+    assert "job.lock" not in (tmp_path / "full.ls").read_text()
+    assert rc["full2"] == "0" and rc["ro2"] == "0", err
+    took = (tmp_path / "ro2.out").read_text()
+    assert "taking over out_dir" in took and "is no longer running" in took, took
+    assert_exact(tmp_path / "full-run", reference, N)
+    assert_exact(tmp_path / "ro-run", reference, N)
+
+
+def _listening(pids: set[int]) -> list[str]:
+    """Local addresses of the TCP sockets the processes `pids` listen on (ss)."""
+    out = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True, timeout=30).stdout
+    return [line.split()[3] for line in out.splitlines()
+            if {int(p) for p in re.findall(r"pid=(\d+)", line)} & pids]
+
+
+def _descendants(pid: int) -> dict[int, str]:
+    from tests.chaos import descendants
+    return descendants({pid})
+
+
+@pytest.mark.skipif(not shutil.which("ss"), reason="needs ss (iproute2) to list listening sockets")
+def test_a_private_ray_listens_on_loopback_only(tiny_weights, tmp_path):
+    """cluster.address=null: every socket the job's Ray listens on (GCS, raylet, agents, workers, the
+    driver's core worker) is on 127.0.0.1, sampled once a part is committed. (The old code bound them
+    to 0.0.0.0 or the machine's address.) Then SIGTERM ends the job (143)."""
+    out = tmp_path / "run"
+    proc = subprocess.Popen(_cli(tmp_path, f"model.weights_dir={tiny_weights}", "data.limit=400", f"out_dir={out}",
+                                 "cluster.grace_s=0"), cwd=REPO, env=_clean_env(), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        t0 = time.time()
+        while proc.poll() is None and not list((out / "images").glob("*.parquet")) and time.time() - t0 < 200:
+            time.sleep(0.05)
+        pids = {proc.pid, *_descendants(proc.pid)}
+        addresses = _listening(pids)
+        proc.send_signal(signal.SIGTERM)
+        err = proc.communicate(timeout=120)[1]
+    finally:
+        proc.kill()
+    assert len(pids) > 3 and len(addresses) > 3, (pids, addresses, err)
+    assert all(re.fullmatch(r"(127\.0\.0\.1|\[::ffff:127\.0\.0\.1\]|\[::1\]):\d+", a) for a in addresses), addresses
+    assert proc.returncode == 143, err
+
+
+@pytest.mark.parametrize("when", ["gcs_server", "ray::IDLE"])
+def test_sigterm_while_ray_starts_exits_143_with_ray_shut_down(tiny_weights, tmp_path, when):
+    """SIGTERM once the private Ray's GCS process exists (its node starting), or once its first worker
+    does (the driver connecting, when Ray's own handlers are in place): exit 143 with the usual line,
+    and every process the job started gone when it exits. (The old code: exit 15 with nothing printed,
+    or a stack dump and SIGABRT, Ray's processes left behind.)"""
+    out = tmp_path / "run"
+    proc = subprocess.Popen(_cli(tmp_path, f"model.weights_dir={tiny_weights}", "data.limit=8", f"out_dir={out}"),
+                            cwd=REPO, env=_clean_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    seen, t0 = {}, time.time()
+    try:
+        while proc.poll() is None and time.time() - t0 < 200:
+            seen.update(_descendants(proc.pid))
+            if any(when in cmd for cmd in seen.values()):
+                proc.send_signal(signal.SIGTERM)
+                break
+            time.sleep(0.01)
+        err = proc.communicate(timeout=120)[1]
+    finally:
+        proc.kill()
+    assert any(when in cmd for cmd in seen.values()), "the job ended before Ray started"
+    lines = [x for x in err.splitlines() if x.strip()]
+    assert proc.returncode == 143, err
+    assert re.fullmatch(r"\[generate\] stopped \(SIGTERM\): 0 prompts committed in this run, 8 left; rerun the "
+                        r"same command to finish", lines[-1]), err
+    t1 = time.time()                  # Ray's worker processes exit as they notice the raylet gone
+    while [p for p in seen if Path(f"/proc/{p}").exists()] and time.time() - t1 < 30:
+        time.sleep(0.1)
+    left = {p: c[:80] for p, c in seen.items() if Path(f"/proc/{p}").exists()}
+    assert not left, left
+    assert not (out / "job.lock").exists()
+
+
+def test_rows_never_exceed_the_prompts_and_a_batch_that_cannot_fit_is_refused(ray_cluster, tiny_weights, tmp_path,
+                                                                             monkeypatch):
+    """cluster.batch_size=10000 on 6 prompts: the actor decodes in 6 rows (the images record it; the old
+    code allocated caches for 10000, 20000 with CFG). A batch whose KV cache and logits, estimated from
+    the model's dims, exceed the device's free memory (100 kB injected) is refused before any is
+    allocated, in one line naming cluster.batch_size and how many rows fit."""
+    s = job(*args(tiny_weights, tmp_path / "big", 6, "cluster.batch_size=10000", "cluster.num_actors=1"))
+    assert s["images"] == 6 and set(images(tmp_path / "big").batch_size) == {6}
+    from ray import cloudpickle
+
+    import actors.pool
+    import tests.poison
+    cloudpickle.register_pickle_by_value(tests.poison)
+    monkeypatch.setattr(actors.pool, "Generator", tests.poison.CrampedGenerator)
+    try:
+        with pytest.raises(ConfigError, match=r"could not start: MemoryError: cluster.batch_size=40: 40 rows need at "
+                                              r"least 0\.\d MiB .* the device has 0\.1 MiB free: lower "
+                                              r"cluster.batch_size \(at most \d+ fit\)"):
+            job(*args(tiny_weights, tmp_path / "cramped", 40, "cluster.batch_size=40", "cluster.num_actors=1"))
+    finally:
+        cloudpickle.unregister_pickle_by_value(tests.poison)
+    assert not list((tmp_path / "cramped").glob("images/*.parquet"))
+
+
+def test_a_job_whose_lock_was_taken_over_commits_nothing_more(reference, tiny_weights, tmp_path):
+    """The lock taken over (another job's token in it) while this job's actor decodes a batch: the
+    actor writes no file of that part and the driver appends no manifest line (the old code committed
+    both, and the driver went on appending duplicate lines)."""
+    out = tmp_path / "run"
+    c = typed(tiny_weights, out, 4)
+    check_out_dir(out, fingerprint(c))
+    lock = OutDirLock(out).acquire()
+    try:
+        threads = torch.get_num_threads()
+        gen = Generator(c, str(out), lock.me["token"])
+        torch.set_num_threads(threads)
+        items = pending_items(c)
+        res = gen.run(part_name(items[:2]), items[:2])                # holds the lock: committed
+        _record(out, res, lock.me["token"])
+        (out / "job.lock").write_text(json.dumps({**lock.me, "token": "the-new-owner"}))
+        with pytest.raises(output.LockLost, match=f"another job took over out_dir={out}"):
+            gen.run(part_name(items[2:]), items[2:])
+        with pytest.raises(output.LockLost):
+            _record(out, res, lock.me["token"])
+    finally:
+        lock.release()
+    assert sorted(f.stem for t in output.TABLES for f in (out / t).glob("*.parquet")) == [res.part] * 3
+    assert len((out / "manifest.jsonl").read_text().splitlines()) == 1
+    assert output.LockLost.code == 143
+
+
+def test_a_suspended_owner_on_this_host_is_taken_over_once_silent(reference, tiny_weights, tmp_path, caplog):
+    """The lock's owner runs on this host (its pid alive, e.g. stopped with SIGSTOP) but its heartbeat
+    is older than cluster.lock_timeout_s: taken over with a line, as the README says of a silent owner
+    (the old code refused it for as long as the pid lived)."""
+    out = tmp_path / "run"
+    shutil.copytree(reference[0], out)
+    owner = subprocess.Popen(["sleep", "300"])
+    try:
+        me = OutDirLock(out).me
+        from workflows.lock import _pid_start
+        (out / "job.lock").write_text(json.dumps({**me, "pid": owner.pid, "pid_start": _pid_start(owner.pid),
+                                                  "token": "suspended"}))
+        os.utime(out / "job.lock", (time.time() - 120, time.time() - 120))
+        caplog.set_level(logging.WARNING, logger="arspec.job")
+        s = job(*args(tiny_weights, out, N, "cluster.lock_timeout_s=60"))
+    finally:
+        owner.kill()
+        owner.wait()
+    assert s["already_done"] == N
+    assert re.search(rf"its lock's owner, the job of pid {owner.pid} on host .*, has been silent for 1\d\ds", caplog.text)
+
+
+def test_a_prompt_file_with_no_prompts_is_refused_in_one_line(tiny_weights, tmp_path):
+    """A Parquet prompt file with no rows: one line naming data.path, exit 2, nothing generated (the
+    old code exited 0 with no word)."""
+    data = tmp_path / "empty.parquet"
+    pq.write_table(pa.table({"prompt": pa.array([], pa.string())}), data)
+    r = subprocess.run([sys.executable, "-m", "workflows.generate", f"model.weights_dir={tiny_weights}", "data=file",
+                        f"data.path={data}", f"out_dir={tmp_path / 'run'}", f"hydra.run.dir={tmp_path / 'h'}"],
+                       capture_output=True, text=True, cwd=REPO, timeout=120, env=_clean_env())
+    lines = [x for x in r.stderr.splitlines() if x.strip()]
+    assert r.returncode == 2 and len(lines) == 1, r.stderr
+    assert lines[0] == f"error: data.path={data}: holds no prompts (data.limit=None): nothing to generate; give a " \
+                       f"prompt set with rows in it"
+    assert not (tmp_path / "run" / "job.json").exists()

@@ -60,7 +60,7 @@ class GenerateConfig:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     seed: int = 0
     out_dir: str = "runs/${model.name}/${engine.name}"
-    verify: str = "quick"                 # on start, committed parts: quick (sizes, footers) | full (+ checksums)
+    verify: str = "quick"                 # on start, committed parts: quick (sizes, footers, page CRCs) | full (sha256)
 
 
 def register() -> None:

@@ -16,6 +16,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")   # before anything can import ray
 
@@ -46,20 +47,54 @@ def _flat(d: dict, prefix: str = "") -> dict:
     return out
 
 
-def check_out_dir(out_dir: Path, fp: dict) -> None:
-    """job.json records `fp` (written atomically: actors/output.py); a rerun must match it."""
-    from actors.output import OutDirError, write_bytes_atomic
+def _job_json(out_dir: Path) -> tuple[Optional[dict], str]:
+    """(the settings job.json records, or None; what is wrong with it: "" or why it is not a job's)."""
     path = out_dir / "job.json"
+    if not path.is_file():
+        return None, "is missing"
     try:
-        old = json.loads(path.read_text()) if path.exists() else None
+        job = json.loads(path.read_bytes())
     except (ValueError, UnicodeDecodeError) as e:
-        if any((out_dir / "images").glob("*.parquet")):
-            raise OutDirError(f"{path} is damaged ({str(e)[:80]}) and out_dir holds committed parts made with the "
-                              f"settings it recorded: restore it, or use a new out_dir") from None
-        log.warning(f"[generate] {path} is damaged ({str(e)[:80]}) and no part is committed: writing it again")
-        old = None
+        return None, f"is damaged ({str(e)[:80]})"
+    if not (isinstance(job, dict) and {"engine", "model", "seed"} <= set(job)):
+        return None, "is not a job's (no engine, model and seed)"
+    return job, ""
+
+
+def claim_out_dir(out_dir: Path) -> None:
+    """A job writes only into an absent or empty directory, or one that is recognisably a job's: its
+    job.json, or no more than what a job's first moments leave (its lock, job.json's temporary file).
+    Anything else is refused in one line naming what was found, before anything is written there."""
+    from actors.output import survey
+    if not out_dir.exists():
+        return
+    if not out_dir.is_dir():
+        raise ConfigError(f"out_dir={out_dir} is a file, not a directory: use a new or empty directory")
+    job, problem = _job_json(out_dir)
+    written, foreign = survey(out_dir)
+    if job is not None:
+        if foreign:
+            log.warning(f"[generate] out_dir={out_dir} also holds {len(foreign)} entries no job writes "
+                        f"({', '.join(foreign[:3])}): left alone")
+        return
+    if foreign:
+        raise ConfigError(f"out_dir={out_dir} is not a job's directory (job.json {problem}) and holds "
+                          f"{', '.join(foreign[:3])}{', ...' if len(foreign) > 3 else ''}: nothing was changed; "
+                          f"use a new or empty directory")
+    if written:
+        raise ConfigError(f"out_dir={out_dir} holds a job's files ({written[0]}, ...) but its job.json {problem}: "
+                          f"it recorded the settings they were made with; restore it, or use a new out_dir")
+    if problem != "is missing":
+        log.warning(f"[generate] {out_dir / 'job.json'} {problem} and nothing else is committed: writing it again")
+
+
+def check_out_dir(out_dir: Path, fp: dict) -> None:
+    """job.json records `fp` (written atomically: actors/output.py); a rerun must match it. (That the
+    out_dir is a job's at all is claim_out_dir's check, made before the lock is written.)"""
+    from actors.output import write_bytes_atomic
+    old = _job_json(out_dir)[0]
     if old is None:
-        write_bytes_atomic(json.dumps(fp, indent=2).encode(), path, "job.json")
+        write_bytes_atomic(json.dumps(fp, indent=2).encode(), out_dir / "job.json", "job.json")
         return
     old, new = _flat(old), _flat(fp)
     if old.get("bytes_version") != new["bytes_version"]:
@@ -83,7 +118,7 @@ def validate(c: GenerateConfig) -> None:
         if getattr(cl, key) is not None and getattr(cl, key) < 1:
             raise ConfigError(f"cluster.{key}={getattr(cl, key)}: must be >= 1")
     if c.verify not in ("quick", "full"):
-        raise ConfigError(f"verify={c.verify}: choose quick (sizes and Parquet footers) or full (also checksums)")
+        raise ConfigError(f"verify={c.verify}: choose quick (sizes, Parquet footers and page checksums) or full (sha256 of every file)")
     if cl.grace_s < 0 or cl.lock_timeout_s <= 0:
         raise ConfigError(f"cluster.grace_s={cl.grace_s} / cluster.lock_timeout_s={cl.lock_timeout_s}: "
                           f"must be >= 0 / > 0")
@@ -103,13 +138,26 @@ def validate(c: GenerateConfig) -> None:
         log.info(f"[generate] model.name={c.model.name}: no header check for this family; the actors load it")
 
 
-def start_ray(cl) -> str | None:
-    """Attach to cluster.address, or start a private local Ray (address="local": never a head that
-    happens to run on this machine, nor RAY_ADDRESS). -> "attached", "local", or None when Ray was
-    already initialized by the caller."""
+# Ray's single-machine mode (read when ray is imported, by this process and every Ray process it
+# starts): a private local Ray binds GCS, raylet, agents and workers to 127.0.0.1 only.
+LOOPBACK_ENV = ("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+
+
+def start_ray(cl, stop) -> str | None:
+    """Attach to cluster.address, or start a private local Ray on loopback only (address="local": never
+    a head that happens to run on this machine, nor RAY_ADDRESS). -> "attached", "local", or None when
+    Ray was already initialized by the caller. A SIGTERM meanwhile is held (Stop.held) and then requests
+    `stop` like any other: ray.init installs handlers that exit, or dump a stack and abort, on it."""
     import ray
     if ray.is_initialized():
         return None
+    with stop.held():
+        _ray_init(cl)
+    return "attached" if cl.address else "local"
+
+
+def _ray_init(cl) -> None:
+    import ray
     if cl.address:
         try:
             ray.init(address=cl.address)
@@ -119,11 +167,13 @@ def start_ray(cl) -> str | None:
                               f"cluster (ray start --head), or use cluster.address=null for a local Ray; if the head "
                               f"uses token authentication, {token}give its token (RAY_AUTH_TOKEN or "
                               f"~/.ray/auth_token)") from None
-        return "attached"
+        return
+    if os.environ.get(LOOPBACK_ENV[0]) != LOOPBACK_ENV[1]:
+        log.warning(f"[generate] ray was imported before the job could set {'='.join(LOOPBACK_ENV)}: this private "
+                    f"Ray listens on every interface of this machine")
     need = math.ceil((cl.num_actors or 1) * cl.num_cpus_per_actor)
     ray.init(address="local", num_cpus=cl.local_num_cpus or max(need, os.cpu_count() or 1),
              num_gpus=None if cl.num_gpus_per_actor else 0, include_dashboard=False)
-    return "local"
 
 
 def _bundle(cl) -> dict:
@@ -242,9 +292,10 @@ def plan_job(c: GenerateConfig, verify: str = "quick"):
     from workflows.prompts import PromptSource
     source = PromptSource(c.data)
     out_dir, fp = Path(c.out_dir), fingerprint(c)
-    if (out_dir / "job.json").exists():
+    started = _job_json(out_dir)[0] is not None    # else nothing is committed (claim_out_dir)
+    if started:
         check_out_dir(out_dir, fp)
-    parts = recover(out_dir, verify) if out_dir.is_dir() else {}
+    parts = recover(out_dir, verify) if started else {}
     check = prompt_check(c.model)
     plan = Plan(source, CommittedIndex(out_dir, parts), c.cluster.batch_size, c.seed,
                 check=None if check is None else lambda chunk: check([r["prompt"] for r in chunk]))
@@ -253,6 +304,10 @@ def plan_job(c: GenerateConfig, verify: str = "quick"):
         plan.check()
     except ValueError as e:     # a prompt the model cannot take (text for a class-conditional model)
         raise ConfigError(f"data: {e}") from None
+    if not plan.stats.prompts:
+        where = f"data.path={c.data.path}" if c.data.path else f"data={c.data.name}"
+        raise ConfigError(f"{where}: holds no prompts (data.limit={c.data.limit}): nothing to generate; give a "
+                          f"prompt set with rows in it")
     check_out_dir(out_dir, fp)   # a new out_dir gets its job.json only once its prompts passed the check
     return plan
 
@@ -261,14 +316,17 @@ def run(cfg: DictConfig) -> dict:
     from workflows.lock import OutDirLock, Stop, on_sigterm
     c: GenerateConfig = to_object(cfg)
     validate(c)
+    if c.cluster.address is None and "ray" not in sys.modules:    # before ray is imported (start_ray)
+        os.environ[LOOPBACK_ENV[0]] = LOOPBACK_ENV[1]
     out_dir = Path(c.out_dir)
+    claim_out_dir(out_dir)
     stop = Stop(c.cluster.grace_s)
-    with on_sigterm(stop), OutDirLock(out_dir, c.cluster.lock_timeout_s, stop):   # workflows/lock.py
-        return _generate(c, out_dir, stop)
+    with on_sigterm(stop), OutDirLock(out_dir, c.cluster.lock_timeout_s, stop) as lock:   # workflows/lock.py
+        return _generate(c, out_dir, stop, lock.me["token"])
 
 
-def _generate(c: GenerateConfig, out_dir: Path, stop) -> dict:
-    from actors.output import remove_leftovers, write_bytes_atomic
+def _generate(c: GenerateConfig, out_dir: Path, stop, token: Optional[str] = None) -> dict:
+    from actors.output import check_lock, remove_leftovers, write_bytes_atomic
     from actors.pool import ActorStartError, Progress, run_batches
     from workflows.lock import Preempted
     plan = plan_job(c, c.verify)
@@ -281,23 +339,23 @@ def _generate(c: GenerateConfig, out_dir: Path, stop) -> dict:
         import ray
         from ray.util.placement_group import remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-        kind = start_ray(cl)
-        stop.catch_sigterm()   # again: ray.init's core worker replaced the handler with one that aborts
+        kind = start_ray(cl, stop)
         ray_start_s = time.time() - t0
         pgs = []
         try:
-            slots = cluster_slots(cl)
-            asked = f"cluster.num_actors={cl.num_actors}"
-            if cl.num_actors is None:
-                cl.num_actors = max(1, slots)
-                asked = f"cluster.num_actors=null: one per slot, {slots} now, at least 1"
-                log.info(f"[generate] cluster.num_actors=null: {cl.num_actors} actor(s), one per slot "
-                         f"({_bundle(cl)} each)")
-            pgs = place_actors(cl, min(cl.num_actors, st.batches), asked,
-                               cl.wait_s if kind != "local" else min(cl.wait_s, LOCAL_WAIT_S))
-            actors = len(pgs)
-            run_batches(c, out_dir, plan.batches(), tally, [PlacementGroupSchedulingStrategy(pg, 0) for pg in pgs],
-                        stop)
+            if not stop:       # (a SIGTERM while Ray started: nothing is placed, Ray is shut down below)
+                slots = cluster_slots(cl)
+                asked = f"cluster.num_actors={cl.num_actors}"
+                if cl.num_actors is None:
+                    cl.num_actors = max(1, slots)
+                    asked = f"cluster.num_actors=null: one per slot, {slots} now, at least 1"
+                    log.info(f"[generate] cluster.num_actors=null: {cl.num_actors} actor(s), one per slot "
+                             f"({_bundle(cl)} each)")
+                pgs = place_actors(cl, min(cl.num_actors, st.batches), asked,
+                                   cl.wait_s if kind != "local" else min(cl.wait_s, LOCAL_WAIT_S))
+                actors = len(pgs)
+                run_batches(c, out_dir, plan.batches(), tally, [PlacementGroupSchedulingStrategy(pg, 0) for pg in pgs],
+                            stop, token, st.pending)
         except ActorStartError as e:
             raise ConfigError(f"model: {e}") from None
         finally:
@@ -305,9 +363,11 @@ def _generate(c: GenerateConfig, out_dir: Path, stop) -> dict:
                 remove_placement_group(pg)
             if kind:
                 ray.shutdown()
+        check_lock(out_dir, token)
         remove_leftovers(out_dir)    # what writers killed mid-part (a lost node, a stop) left behind
     summary = summarize(tally, c, st.prompts, st.already, time.time() - t0, ray_start_s, t0 + ray_start_s, actors)
     summary["stopped"] = stop.reason
+    check_lock(out_dir, token)
     write_bytes_atomic(json.dumps(summary, indent=2).encode(), out_dir / "summary.json", "summary.json")
     log.info("[generate] summary " + json.dumps(summary))
     if summary["invalid_tokens"] and summary["acceptance"] != "lantern":

@@ -7,15 +7,19 @@ every `timeout_s / 4` seconds (its mtime is the heartbeat). A second job finds i
 - refuses in one line naming the owner while the owner lives: on the same host (and boot), its pid is
   running with the same start time; on another host, its heartbeat is younger than `timeout_s`;
 - takes it over, with a line saying so, when the owner is dead (same host) or silent past `timeout_s`
-  (any host: no reliance on pids, which another host cannot see). The stale lock is renamed aside
+  (any host, this one included: a suspended owner is taken over too). The stale lock is renamed aside
   first, and only the job whose rename moved exactly the lock it judged stale goes on; a job that
-  finds its token gone from the lock (it was silent, e.g. suspended, and was taken over) stops.
+  finds its token gone from the lock (it was silent, e.g. suspended, and was taken over) stops, and
+  commits nothing more (actors/output.py `check_lock`, before every file of a part and every line).
+A lock that cannot be written (disk full) is removed again, and one that cannot be removed (out_dir
+became read-only) is a dead owner's, taken over at once by the next job on this host.
 
 `Stop`: the reason the job must stop (SIGTERM, or the lock lost) and the deadline of its grace period;
 actors/pool.py reads it between results.
 """
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -24,10 +28,11 @@ import signal
 import socket
 import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Optional
 
-from actors.output import JobExit, storage
+from actors.output import JobExit, lock_token, storage
 
 log = logging.getLogger("arspec.job")
 _HELD: set[str] = set()   # tokens of the locks this process holds now
@@ -65,6 +70,11 @@ def _pid_start(pid: int) -> Optional[str]:
             return ""
 
 
+@functools.cache
+def _unblock_in_children() -> None:
+    os.register_at_fork(after_in_child=lambda: signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM}))
+
+
 class Stop:
     """Set by SIGTERM or a lost lock: no new batches; in-flight ones may finish until `deadline`."""
 
@@ -79,6 +89,23 @@ class Stop:
             previous = signal.signal(signal.SIGTERM, lambda *_: self.request("SIGTERM"))
             if self._previous is None:
                 self._previous = previous
+
+    @contextmanager
+    def held(self):
+        """SIGTERM held pending (blocked in the main thread; the lock's heartbeat thread always blocks it)
+        while third-party code installs handlers of its own (ray.init: one that exits, then the core
+        worker's stack dump and abort); then the job's handler is put back and gets it. Processes forked
+        meanwhile unblock it again (os.register_at_fork), so they still stop on SIGTERM."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        _unblock_in_children()
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+        try:
+            yield
+        finally:
+            self.catch_sigterm()
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
 
     def restore(self) -> None:
         if self._previous is not None:
@@ -122,7 +149,6 @@ class OutDirLock:
             start = _pid_start(owner["pid"])
             if start is None or (start and owner.get("pid_start") and start != owner["pid_start"]):
                 return "is no longer running"
-            return None
         if age > self.timeout_s:
             return f"has been silent for {age:.0f}s (cluster.lock_timeout_s={self.timeout_s:g})"
         return None
@@ -154,10 +180,14 @@ class OutDirLock:
                     log.warning(f"[generate] taking over out_dir={self.out_dir}: its lock's owner, "
                                 f"{self.describe(owner)}, {why}")
                 continue
-            with os.fdopen(fd, "w") as f:
-                json.dump(self.me, f)
-                f.flush()
-                os.fsync(f.fileno())
+            try:
+                with storage(self.path), os.fdopen(fd, "w") as f:
+                    json.dump(self.me, f)
+                    f.flush()
+                    os.fsync(f.fileno())
+            except BaseException:
+                self.path.unlink(missing_ok=True)     # ours, and empty or torn: it would block the next job
+                raise
             _HELD.add(self.me["token"])
             self._beat = threading.Thread(target=self._heartbeat, daemon=True, name="out_dir-lock")
             self._beat.start()
@@ -182,12 +212,10 @@ class OutDirLock:
         return moved == judged
 
     def _owned(self) -> bool:
-        try:
-            return json.loads(self.path.read_bytes()).get("token") == self.me["token"]
-        except (OSError, ValueError, AttributeError):
-            return False
+        return lock_token(self.out_dir) == self.me["token"]
 
     def _heartbeat(self) -> None:
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})     # SIGTERM is the main thread's (Stop)
         every = max(0.2, self.timeout_s / 4)
         while not self._done.wait(every):
             if not self._owned():
@@ -205,7 +233,10 @@ class OutDirLock:
             self._beat.join(timeout=5)
         _HELD.discard(self.me["token"])
         if self._owned():
-            self.path.unlink(missing_ok=True)
+            try:
+                self.path.unlink(missing_ok=True)
+            except OSError:      # out_dir became read-only: the lock stays, a dead pid's (see the module doc)
+                pass
 
     def __enter__(self) -> "OutDirLock":
         return self.acquire()

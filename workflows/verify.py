@@ -1,8 +1,9 @@
 """Check an out_dir's committed parts alone: `python -m workflows.verify out_dir=PATH [verify=full]`.
 
 The same check the job makes on start (actors/output.py `inspect`: every file of every committed part
-present, its size and Parquet footer row count as the manifest recorded them; `verify=full` also
-reads every file and compares its sha256). It changes nothing (the job moves damaged parts to
+present, its size and Parquet footer row count as the manifest recorded them, and its Parquet page
+checksums; `verify=full` compares every file's sha256 instead; a part with no manifest line is checked
+from its files alone: page checksums, every PNG decoded). It changes nothing (the job moves damaged parts to
 out_dir/quarantine/ when it resumes). One line per damaged part, a last line with the counts; exits
 0 when every part is sound, 1 when some are damaged, 2 on a bad argument.
 """
@@ -13,7 +14,7 @@ from pathlib import Path
 
 
 def main(argv: list[str]) -> int:
-    from actors.output import inspect
+    from actors.output import inspect, read_manifest
     args = dict(a.split("=", 1) for a in argv if "=" in a)
     unknown = sorted(set(args) - {"out_dir", "verify"}) + [a for a in argv if "=" not in a]
     if unknown or "out_dir" not in args:
@@ -31,9 +32,11 @@ def main(argv: list[str]) -> int:
         return 2
     for part, reason in damaged.items():
         print(f"damaged {part}: {reason}")
-    prompts = sum(parts.values())
+    prompts, listed = sum(parts.values()), read_manifest(out_dir)
+    unlisted = sum(p not in listed for p in [*parts, *damaged])
     print(f"[verify] out_dir={out_dir} verify={mode}: {len(parts)} sound parts ({prompts} prompts), "
-          f"{len(damaged)} damaged" + (" (the job quarantines and regenerates them on its next run)" if damaged else ""))
+          f"{len(damaged)} damaged" + (" (the job quarantines and regenerates them on its next run)" if damaged else "")
+          + (f"; {unlisted} part(s) have no manifest line: checked from their files alone" if unlisted else ""))
     return 1 if damaged else 0
 
 
