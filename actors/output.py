@@ -342,8 +342,9 @@ def _check_file(path: Path, info: Optional[dict], full: bool) -> tuple[Optional[
 
 
 def read_checked(source, columns=None) -> pa.Table:
-    """A Parquet file read with its page checksums verified (files written before they were: unchecked)."""
-    return pq.read_table(source, columns=columns, page_checksum_verification=True)
+    """A Parquet file read with its page checksums verified (files written before they were: unchecked). One
+    thread: a corrupt page read on pyarrow's thread pool left a thread that aborted the process at exit."""
+    return pq.read_table(source, columns=columns, page_checksum_verification=True, use_threads=False)
 
 
 def check_part(out_dir: Path, part: str, entry: Optional[dict], full: bool) -> tuple[Optional[str], Optional[dict]]:

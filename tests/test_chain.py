@@ -60,6 +60,11 @@ def mixed(engine, chain_pattern, tree_pattern):
     calls = iter(range(10**9))
     engine.chain_budget.plan = lambda R, pending, confidence=None: chain_pattern[next(calls) % len(chain_pattern)]
     alternate(engine, tree_pattern)
+    # nothing from the clock: a tree verifies its planned nodes (as budget=fixed does, not the measured
+    # drafting time's choice), and no run of steps is declared quiet from measured goodput
+    engine.budget.choose = lambda R, values, plan, drafted_ms: min(plan, values.shape[1])
+    for b in (engine.budget, engine.chain_budget):
+        b.quiet = lambda R, pending: 0
 
 
 def test_chain_tree_and_plain_steps_mixed_commit_vanillas_tokens():

@@ -198,9 +198,11 @@ def test_damaged_parts_are_quarantined_and_regenerated(reference, tiny_weights, 
     res = gen.run(repeats, dup)
     _record(out, res)
 
-    r = subprocess.run([sys.executable, "-m", "workflows.verify", f"out_dir={out}"], capture_output=True, text=True,
-                       cwd=REPO, timeout=120)
-    assert r.returncode == 1, r.stdout + r.stderr
+    # (3 runs: a corrupt page read on pyarrow's thread pool aborted the process at exit in 7 of 12 runs)
+    for _ in range(3):
+        r = subprocess.run([sys.executable, "-m", "workflows.verify", f"out_dir={out}"], capture_output=True,
+                           text=True, cwd=REPO, timeout=120)
+        assert r.returncode == 1, r.stdout + r.stderr
     lines = r.stdout.splitlines()
     assert any(parts[0] in x and "images/" in x and "the manifest recorded" in x for x in lines), r.stdout
     assert any(parts[1] in x and "tokens/" in x for x in lines), r.stdout
