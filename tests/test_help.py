@@ -1,0 +1,31 @@
+"""The job's --help page and its one-line messages, as a user meets them on the command line."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from decoding.engines import ENGINES
+from decoding.registry import families
+from tests.conftest import REPO
+
+
+def cli(*args, timeout=300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "workflows.generate", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=REPO, env={**os.environ, "HYDRA_FULL_ERROR": "0", "OMP_NUM_THREADS": "1"})
+
+
+def test_help_lists_engines_and_models_with_a_line_each_and_hides_the_schema_groups():
+    r = cli("--help")
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert "schema/" not in r.stdout and "Powered by Hydra" not in r.stdout
+    for name, engine in ENGINES.items():
+        line = next(x for x in lines if x.strip().startswith(f"engine={name} "))
+        assert len(line.split(None, 1)[1]) > 20, line          # a description, not a bare name
+        assert ("[drafter]" in line) == engine.uses_drafter, line
+    for name in families():
+        line = next(x for x in lines if x.strip().startswith(f"model={name} "))
+        assert len(line.split(None, 1)[1]) > 20, line
+    pick = r.stdout[r.stdout.index("Which engine:"):]
+    assert "engine=vanilla" in pick and "engine=sjd or engine=mc_sjd" in pick and "engine=eagle2" in pick
