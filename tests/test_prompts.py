@@ -88,6 +88,11 @@ def test_real_prompt_sets_read_as_they_are():
      "data.id_column='key': no such column"),
     (lambda d: DataConfig(name="file", path=str(_text(d / "p.jsonl", '{"id": "a", "prompt": "x"}\n{"prompt": "y"}\n')),
                           id_column="id"), r"data.id_column='id': row 1 of .*p.jsonl has no such field"),
+    (lambda d: DataConfig(name="file", path=str(_text(d / "p.jsonl", '{"prompt": "x"}\n\n{"prompt": y}\n'))),
+     r"data.path=.*p.jsonl: line 3 is not valid JSON .*: fix or remove that line"),
+    (lambda d: DataConfig(name="file", path=str(_text(d / "p.jsonl", '{"prompt": "x"}\n["y"]\n'))),
+     r"data.path=.*p.jsonl: line 2 is not a JSON object"),
+    (lambda d: DataConfig(name="file", path=str(d)), r"data.path=.*: is a directory; point it at a prompt file"),
     (lambda d: DataConfig(name="nope"), "data.name='nope'"),
     (lambda d: DataConfig(limit=-1), "data.limit=-1"),
 ])
