@@ -29,3 +29,22 @@ def test_help_lists_engines_and_models_with_a_line_each_and_hides_the_schema_gro
         assert len(line.split(None, 1)[1]) > 20, line
     pick = r.stdout[r.stdout.index("Which engine:"):]
     assert "engine=vanilla" in pick and "engine=sjd or engine=mc_sjd" in pick and "engine=eagle2" in pick
+
+
+def one_error_line(r: subprocess.CompletedProcess) -> str:
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), r.stderr
+    return lines[0]
+
+
+def test_an_out_dir_under_a_file_is_one_line(tmp_path):
+    (tmp_path / "afile").write_text("x")
+    line = one_error_line(cli(f"out_dir={tmp_path / 'afile' / 'run'}", f"hydra.run.dir={tmp_path / 'h'}"))
+    assert f"out_dir={tmp_path / 'afile' / 'run'}" in line and "is a file" in line
+
+
+def test_a_broken_jsonl_line_is_named_once_by_its_number(tmp_path):
+    (tmp_path / "p.jsonl").write_text('{"prompt": "a"}\n{"prompt": b}\n')
+    line = one_error_line(cli("data=file", f"data.path={tmp_path / 'p.jsonl'}", f"out_dir={tmp_path / 'o'}",
+                              f"hydra.run.dir={tmp_path / 'h'}"))
+    assert line.startswith("error: data.path=") and "line 2 is not valid JSON" in line

@@ -69,6 +69,9 @@ def claim_out_dir(out_dir: Path) -> None:
     Anything else is refused in one line naming what was found, before anything is written there."""
     from actors.output import survey
     if not out_dir.exists():
+        parent = next((p for p in out_dir.absolute().parents if p.exists()), None)
+        if parent is not None and not parent.is_dir():
+            raise ConfigError(f"out_dir={out_dir}: {parent} is a file, not a directory: use a path under a directory")
         return
     if not out_dir.is_dir():
         raise ConfigError(f"out_dir={out_dir} is a file, not a directory: use a new or empty directory")
@@ -304,6 +307,8 @@ def plan_job(c: GenerateConfig, verify: str = "quick"):
     del parts
     try:
         plan.check()
+    except ConfigError:
+        raise
     except ValueError as e:     # a prompt the model cannot take (text for a class-conditional model)
         raise ConfigError(f"data: {e}") from None
     if not plan.stats.prompts:
