@@ -375,7 +375,10 @@ def _generate(c: GenerateConfig, out_dir: Path, stop, token: Optional[str] = Non
     summary = summarize(tally, c, st.prompts, st.already, time.time() - t0, ray_start_s, t0 + ray_start_s, actors)
     summary["stopped"] = stop.reason
     check_lock(out_dir, token)
-    write_bytes_atomic(json.dumps(summary, indent=2).encode(), out_dir / "summary.json", "summary.json")
+    if st.pending or not (out_dir / "summary.json").exists():
+        write_bytes_atomic(json.dumps(summary, indent=2).encode(), out_dir / "summary.json", "summary.json")
+    else:   # a rerun with nothing left to do keeps the figures of the run that made the images
+        log.info(f"[generate] every prompt is already in {out_dir}: nothing generated, summary.json kept as it was")
     log.info("[generate] summary " + json.dumps(summary))
     if summary["invalid_tokens"] and summary["acceptance"] != "lantern":
         log.error(f"[generate] internal error: {summary['invalid_tokens']} committed tokens that the sampler can "
