@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 from decoding.engines import ENGINES
 from decoding.registry import families
@@ -48,3 +49,11 @@ def test_a_broken_jsonl_line_is_named_once_by_its_number(tmp_path):
     line = one_error_line(cli("data=file", f"data.path={tmp_path / 'p.jsonl'}", f"out_dir={tmp_path / 'o'}",
                               f"hydra.run.dir={tmp_path / 'h'}"))
     assert line.startswith("error: data.path=") and "line 2 is not valid JSON" in line
+
+
+def test_a_run_leaves_no_hydra_folder_in_the_working_tree(tmp_path):
+    before = set((REPO / "outputs").rglob("*")) if (REPO / "outputs").exists() else set()
+    one_error_line(cli("data=file", f"data.path={tmp_path}", f"out_dir={tmp_path / 'o'}"))   # no hydra.run.dir
+    after = set((REPO / "outputs").rglob("*")) if (REPO / "outputs").exists() else set()
+    assert after == before
+    assert list(Path(os.environ["ARSPEC_HYDRA_DIR"]).rglob("generate.log"))
