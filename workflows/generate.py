@@ -25,11 +25,9 @@ from omegaconf import DictConfig  # noqa: E402
 
 from decoding import BYTES_VERSION  # noqa: E402
 from workflows.config import ConfigError, GenerateConfig, cli, one_line_errors, register, to_object  # noqa: E402
-from workflows.help import register as register_help  # noqa: E402
 
 log = logging.getLogger("arspec.job")
 register()
-register_help()
 LOCAL_WAIT_S = 10.0   # a private local Ray cannot grow: what it cannot place now it never will
 
 
