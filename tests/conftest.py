@@ -1,13 +1,21 @@
 """Shared fixtures: tiny random-weight models for unit checks, one Ray instance for the whole run."""
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
 import torch
 
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+# Hydra's per-run folders (conf/*.yaml hydra.run.dir) go to a temporary directory, not the working tree:
+# the tests' subprocesses inherit it
+HYDRA_DIR = tempfile.mkdtemp(prefix="arspec-hydra-")
+os.environ["ARSPEC_HYDRA_DIR"] = HYDRA_DIR
+atexit.register(shutil.rmtree, HYDRA_DIR, True)
 # two threads (this machine's cores) unless OMP_NUM_THREADS says otherwise: on a busy host a second
 # thread that is not scheduled stalls every op of the first
 torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or max(1, min(2, os.cpu_count() or 1))))

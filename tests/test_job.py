@@ -64,6 +64,7 @@ def test_rerun_resumes_and_writes_every_prompt_once(ray_cluster, tiny_weights, t
     second = job(*base(tiny_weights, out, "data.limit=14", "cluster.batch_size=4"))
     third = job(*base(tiny_weights, out, "data.limit=14", "cluster.batch_size=4"))
     assert (first["images"], second["already_done"], second["images"], third["images"]) == (6, 6, 8, 0)
+    assert json.loads((out / "summary.json").read_text()) == second   # the no-op third run kept the figures
     assert first["num_actors"] == 4  # cluster.num_actors=null: one per CPU of the 2 x 2-CPU test cluster
     df = images(out)
     assert len(df) == 14 and df.prompt_id.is_unique

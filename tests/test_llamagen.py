@@ -268,7 +268,8 @@ def test_the_job_refuses_prompts_the_model_cannot_take_before_any_actor_starts(c
     c = config(good, "good")
     validate(c)
     assert plan_job(c).stats.pending == 2
-    with pytest.raises(ConfigError, match=r"prompt 'a red cat' is not a class id: .* integers 0..9") as e:
+    with pytest.raises(ConfigError, match=r"prompt 'a red cat' is not a class id of this model: valid ids are 0..9 "
+                       r"\(model.num_classes=10\); fix data.classes") as e:
         plan_job(config(bad, "bad"))
     one_line(e)
     assert not (tmp_path / "bad" / "job.json").exists()     # refused before the out_dir was claimed
@@ -311,7 +312,8 @@ def test_inspect_checkpoint_says_what_a_file_is(c2i_files, tmp_path, capsys):
 def test_class_ids():
     assert class_ids([3, "7", " 9 "], 10) == [3, 7, 9]
     for bad in ("a cat", 10, -1, True, "3.5"):
-        with pytest.raises(ValueError, match=r"is not a class id: .* integers 0..9"):
+        with pytest.raises(ValueError, match=r"is not a class id of this model: valid ids are 0..9 \(model.num_classes=10\); "
+                                            r"fix data.classes \(data=imagenet_classes\) or the class_id column"):
             class_ids([bad], 10)
 
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -88,6 +89,11 @@ def test_real_prompt_sets_read_as_they_are():
      "data.id_column='key': no such column"),
     (lambda d: DataConfig(name="file", path=str(_text(d / "p.jsonl", '{"id": "a", "prompt": "x"}\n{"prompt": "y"}\n')),
                           id_column="id"), r"data.id_column='id': row 1 of .*p.jsonl has no such field"),
+    (lambda d: DataConfig(name="file", path=str(_text(d / "p.jsonl", '{"prompt": "x"}\n\n{"prompt": y}\n'))),
+     r"data.path=.*p.jsonl: line 3 is not valid JSON .*: fix or remove that line"),
+    (lambda d: DataConfig(name="file", path=str(_text(d / "p.jsonl", '{"prompt": "x"}\n["y"]\n'))),
+     r"data.path=.*p.jsonl: line 2 is not a JSON object"),
+    (lambda d: DataConfig(name="file", path=str(d)), r"data.path=.*: is a directory; point it at a prompt file"),
     (lambda d: DataConfig(name="nope"), "data.name='nope'"),
     (lambda d: DataConfig(limit=-1), "data.limit=-1"),
 ])
@@ -100,3 +106,21 @@ def test_bad_input_is_one_clear_line(tmp_path, setup, message):
 def _text(path, text):
     path.write_text(text)
     return path
+
+
+@pytest.mark.parametrize("name, first", [("parti", "bond"), ("coco", "Ma motorcycle")])
+def test_parti_and_coco_samples_ship_with_the_package_and_a_full_path_still_works(tmp_path, name, first):
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+    from tests.conftest import REPO
+    from workflows.config import register
+    register()
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        data = OmegaConf.to_object(compose("generate", overrides=[f"data={name}"])).data
+        own = tmp_path / "mine.json"
+        own.write_text('["x", "y"]')
+        mine = OmegaConf.to_object(compose("generate", overrides=["data=coco", f"data.path={own}"])).data
+    assert Path(data.path).is_relative_to(REPO / "conf")
+    rows = read_prompts(data)
+    assert len(rows) == 64 and rows[0]["prompt"].startswith(first)
+    assert [r["prompt"] for r in read_prompts(mine)] == ["x", "y"]

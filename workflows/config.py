@@ -11,11 +11,18 @@ from __future__ import annotations
 import functools
 import os
 import sys
+from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Any, Callable, List, Optional
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING
+from omegaconf import MISSING, OmegaConf
+
+
+CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+# `${arspec_conf:data/samples/parti64.tsv}`: a file shipped in the package's conf/, wherever it is installed
+if not OmegaConf.has_resolver("arspec_conf"):
+    OmegaConf.register_new_resolver("arspec_conf", lambda rel: str(CONF_DIR / rel))
 
 
 class ConfigError(ValueError):
@@ -72,6 +79,8 @@ def register() -> None:
         cs.store(group="schema/engine", name=name, node=engine.Config)
     for name, fam in families().items():
         cs.store(group="schema/model", name=name, node=fam.config)
+    from workflows.help import register as register_help
+    register_help()      # generate.yaml's hydra/help option
 
 
 def one_line(e: BaseException) -> str:

@@ -67,6 +67,9 @@ def claim_out_dir(out_dir: Path) -> None:
     Anything else is refused in one line naming what was found, before anything is written there."""
     from actors.output import survey
     if not out_dir.exists():
+        parent = next((p for p in out_dir.absolute().parents if p.exists()), None)
+        if parent is not None and not parent.is_dir():
+            raise ConfigError(f"out_dir={out_dir}: {parent} is a file, not a directory: use a path under a directory")
         return
     if not out_dir.is_dir():
         raise ConfigError(f"out_dir={out_dir} is a file, not a directory: use a new or empty directory")
@@ -302,6 +305,8 @@ def plan_job(c: GenerateConfig, verify: str = "quick"):
     del parts
     try:
         plan.check()
+    except ConfigError:
+        raise
     except ValueError as e:     # a prompt the model cannot take (text for a class-conditional model)
         raise ConfigError(f"data: {e}") from None
     if not plan.stats.prompts:
@@ -368,7 +373,10 @@ def _generate(c: GenerateConfig, out_dir: Path, stop, token: Optional[str] = Non
     summary = summarize(tally, c, st.prompts, st.already, time.time() - t0, ray_start_s, t0 + ray_start_s, actors)
     summary["stopped"] = stop.reason
     check_lock(out_dir, token)
-    write_bytes_atomic(json.dumps(summary, indent=2).encode(), out_dir / "summary.json", "summary.json")
+    if st.pending or not (out_dir / "summary.json").exists():
+        write_bytes_atomic(json.dumps(summary, indent=2).encode(), out_dir / "summary.json", "summary.json")
+    else:   # a rerun with nothing left to do keeps the figures of the run that made the images
+        log.info(f"[generate] every prompt is already in {out_dir}: nothing generated, summary.json kept as it was")
     log.info("[generate] summary " + json.dumps(summary))
     if summary["invalid_tokens"] and summary["acceptance"] != "lantern":
         log.error(f"[generate] internal error: {summary['invalid_tokens']} committed tokens that the sampler can "

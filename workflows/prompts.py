@@ -88,6 +88,9 @@ class PromptSource:
         if not cfg.path:
             raise ConfigError("data.path is not set: point it at a prompt file (Parquet, CSV, TSV, JSONL or JSON)")
         self.path = path = Path(cfg.path).expanduser()
+        if path.is_dir():
+            raise ConfigError(f"data.path={cfg.path}: is a directory; point it at a prompt file in it "
+                              f"({', '.join(FORMATS)})")
         if not path.is_file():
             raise ConfigError(f"data.path={cfg.path}: no such file")
         self.suffix = path.suffix.lower()
@@ -142,11 +145,16 @@ class PromptSource:
                     yield from csv.DictReader(fh)
         elif self.suffix == ".jsonl":
             with open(self.path, encoding="utf-8") as fh:
-                for line in fh:
+                for n, line in enumerate(fh, 1):
                     if line.strip():
-                        row = json.loads(line)
+                        try:
+                            row = json.loads(line)
+                        except ValueError as e:
+                            raise ConfigError(f"data.path={self.cfg.path}: line {n} is not valid JSON "
+                                              f"({str(e).split(':')[0]}): fix or remove that line") from None
                         if not isinstance(row, dict):
-                            raise ValueError("each line of a .jsonl prompt file must be a JSON object")
+                            raise ConfigError(f"data.path={self.cfg.path}: line {n} is not a JSON object: each "
+                                              f"line of a .jsonl prompt file must be one, e.g. {{\"prompt\": \"...\"}}")
                         yield row
         else:  # .json: one document, read whole
             if getattr(self, "_json", None) is None:

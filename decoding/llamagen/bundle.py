@@ -24,8 +24,9 @@ def class_ids(prompts, num_classes: int) -> list[int]:
         if isinstance(p, str) and re.fullmatch(r"\s*\d+\s*", p):
             p = int(p)
         if isinstance(p, bool) or not isinstance(p, int) or not 0 <= p < num_classes:
-            raise ValueError(f"prompt {p!r} is not a class id: this class-conditional model takes integers "
-                             f"0..{num_classes - 1} (a class_id column, or data=imagenet_classes)")
+            raise ValueError(f"prompt {p!r} is not a class id of this model: valid ids are 0..{num_classes - 1} "
+                             f"(model.num_classes={num_classes}); fix data.classes (data=imagenet_classes) or the "
+                             f"class_id column of data.path")
         out.append(p)
     return out
 

@@ -1,0 +1,59 @@
+"""The job's --help page and its one-line messages, as a user meets them on the command line."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from decoding.engines import ENGINES
+from decoding.registry import families
+from tests.conftest import REPO
+
+
+def cli(*args, timeout=300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "workflows.generate", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=REPO, env={**os.environ, "HYDRA_FULL_ERROR": "0", "OMP_NUM_THREADS": "1"})
+
+
+def test_help_lists_engines_and_models_with_a_line_each_and_hides_the_schema_groups():
+    r = cli("--help")
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert "schema/" not in r.stdout and "Powered by Hydra" not in r.stdout
+    for name, engine in ENGINES.items():
+        line = next(x for x in lines if x.strip().startswith(f"engine={name} "))
+        assert len(line.split(None, 1)[1]) > 20, line          # a description, not a bare name
+        assert ("[drafter]" in line) == engine.uses_drafter, line
+    for name in families():
+        line = next(x for x in lines if x.strip().startswith(f"model={name} "))
+        assert len(line.split(None, 1)[1]) > 20, line
+    pick = r.stdout[r.stdout.index("Which engine:"):]
+    assert "engine=vanilla" in pick and "engine=sjd or engine=mc_sjd" in pick and "engine=eagle2" in pick
+
+
+def one_error_line(r: subprocess.CompletedProcess) -> str:
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), r.stderr
+    return lines[0]
+
+
+def test_an_out_dir_under_a_file_is_one_line(tmp_path):
+    (tmp_path / "afile").write_text("x")
+    line = one_error_line(cli(f"out_dir={tmp_path / 'afile' / 'run'}", f"hydra.run.dir={tmp_path / 'h'}"))
+    assert f"out_dir={tmp_path / 'afile' / 'run'}" in line and "is a file" in line
+
+
+def test_a_broken_jsonl_line_is_named_once_by_its_number(tmp_path):
+    (tmp_path / "p.jsonl").write_text('{"prompt": "a"}\n{"prompt": b}\n')
+    line = one_error_line(cli("data=file", f"data.path={tmp_path / 'p.jsonl'}", f"out_dir={tmp_path / 'o'}",
+                              f"hydra.run.dir={tmp_path / 'h'}"))
+    assert line.startswith("error: data.path=") and "line 2 is not valid JSON" in line
+
+
+def test_a_run_leaves_no_hydra_folder_in_the_working_tree(tmp_path):
+    before = set((REPO / "outputs").rglob("*")) if (REPO / "outputs").exists() else set()
+    one_error_line(cli("data=file", f"data.path={tmp_path}", f"out_dir={tmp_path / 'o'}"))   # no hydra.run.dir
+    after = set((REPO / "outputs").rglob("*")) if (REPO / "outputs").exists() else set()
+    assert after == before
+    assert list(Path(os.environ["ARSPEC_HYDRA_DIR"]).rglob("generate.log"))
