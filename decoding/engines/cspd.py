@@ -66,7 +66,8 @@ class CSpD(ContinuousEngine):
 
     @property
     def acceptance(self) -> str:
-        return f"cspd(lam={self.cfg.lam:g})"
+        """'exact' at λ = 1 (the plain density ratio: MAR's distribution), else the relaxation and its λ."""
+        return "exact" if self.cfg.lam == 1 else f"cspd(lam={self.cfg.lam:g})"
 
     def _generate(self, cond, streams):
         B, N, C, dev = len(streams), self.N, self.C, self.device
