@@ -289,3 +289,18 @@ def test_last_step_oversampling_and_distillation_terms():
     plain = head.loss(x, z, generator=g())
     assert torch.allclose(head.loss(x, z, generator=g(), teacher=(head, z, 1.0)), plain)
     assert head.loss(x, z, generator=g(), teacher=(other, z, 1.0)) > plain + 1e-3
+
+
+def test_auxiliary_token_regression_adds_its_weighted_mse():
+    """MAR.loss `aux` (training only): the loss grows by weight * MSE(probe(z), masked tokens), linear in the
+    weight, and its gradient reaches the transformer (the point of it), not only the probe."""
+    m = randomize(MAR(MARArgs(img_size=64, vae_stride=16, encoder_embed_dim=32, encoder_depth=1, encoder_num_heads=2,
+                              decoder_embed_dim=32, decoder_depth=1, decoder_num_heads=2, vae_embed_dim=4, class_num=3,
+                              buffer_size=2, diffloss_d=1, diffloss_w=16)), 0)
+    probe = torch.nn.Linear(32, 4)
+    tokens, buf = torch.randn(3, 16, 4), m.buffer(labels=torch.tensor([0, 1, 2]))
+    g = lambda: torch.Generator().manual_seed(5)  # noqa: E731
+    l0, l1, l2 = (m.loss(tokens, buf, generator=g(), aux=None if w == 0 else (probe, w)) for w in (0, 1.0, 2.0))
+    assert l1 > l0 + 1e-3 and torch.allclose(l2 - l0, 2 * (l1 - l0), rtol=1e-4)
+    (l1 - l0).backward()
+    assert m.decoder_blocks[0].mlp.fc1.weight.grad.abs().sum() > 0
