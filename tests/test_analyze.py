@@ -351,7 +351,7 @@ def pair_engines():
     b = bundle(tiny_mar(0), tiny_mar(1))
     return {"mar": build_engine(b, engine_config("mar", num_iter=8)),
             "lam42": build_engine(b, engine_config("cspd", num_iter=8)),
-            "lam1": build_engine(b, engine_config("cspd", num_iter=8, lam=1.0))}
+            "lam1": build_engine(b, engine_config("cspd", num_iter=8, lam=1.0, trajectory_terms=False))}
 
 
 def test_report_end_to_end(tmp_path):
