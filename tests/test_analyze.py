@@ -322,6 +322,38 @@ def test_find_runs_and_baselines(runs):
     assert rs[1].baseline is None
 
 
+def test_acceptance_is_what_the_engine_reported_never_a_default(tmp_path, pair_engines):
+    """job.json of a cspd run has no engine.acceptance: the run's acceptance is what its images say (the
+    engine's own `acceptance`), so λ = 42 is relaxed and only λ = 1 is exact; a run that reports nothing is
+    `unknown`, not exact."""
+    from workflows.bench_analyze import make_run, scene_pool
+    for name, engine in pair_engines.items():
+        make_run(tmp_path / name, "cspd_like", 8, 8, scene_pool(4, 0), 0)
+        t = pq.read_table(tmp_path / name / "images")
+        t = t.set_column(t.schema.get_field_index("acceptance"), "acceptance",
+                         pa.array([engine.acceptance] * len(t), pa.string()))
+        pq.write_table(t, tmp_path / name / "images" / "part-000000.parquet")
+        assert "acceptance" not in json.loads((tmp_path / name / "job.json").read_text())["engine"]
+    (tmp_path / "empty" / "images").mkdir(parents=True)
+    (tmp_path / "empty" / "job.json").write_text(json.dumps({"engine": {"name": "cspd"}}))
+    rs = {r.label: r for r in load_runs(find_runs([tmp_path]), ["mar"])}
+    assert (rs["lam42"].acceptance, rs["lam42"].relaxed) == ("cspd(lam=42)", True)
+    assert (rs["lam1"].acceptance, rs["lam1"].relaxed) == ("exact", False)
+    assert (rs["mar"].acceptance, rs["mar"].relaxed) == ("exact", False)
+    assert (rs["empty"].acceptance, rs["empty"].relaxed) == ("unknown", True)
+
+
+@pytest.fixture(scope="module")
+def pair_engines():
+    """The real engines' reports: mar, cspd at its defaults (λ = 42) and at λ = 1, on tiny random MARs."""
+    from decoding.engines import build_engine, engine_config
+    from tests.test_cspd import bundle, tiny_mar
+    b = bundle(tiny_mar(0), tiny_mar(1))
+    return {"mar": build_engine(b, engine_config("mar", num_iter=8)),
+            "lam42": build_engine(b, engine_config("cspd", num_iter=8)),
+            "lam1": build_engine(b, engine_config("cspd", num_iter=8, lam=1.0, trajectory_terms=False))}
+
+
 def test_report_end_to_end(tmp_path):
     """Synthetic runs of every family (bench_analyze's generator): the page is self-contained, shows each
     panel, and its numbers are the queries' and the distances'. The synthetic runs reuse the same
@@ -357,6 +389,8 @@ def test_report_end_to_end(tmp_path):
     assert comp["split"] == "all" and comp["compression"] == pytest.approx(24 * 256 / img.target_forwards.sum(), abs=1e-6)
     assert s["adt_tree"]["adherence"]["all"]["all"] == 1.0      # true renders of their captions
     assert s["cspd_like"]["calibration_draft"] is None and s["cspd_like"]["speculative"]
+    assert s["cspd_like"]["acceptance"] == "cspd(lam=42)" and s["lantern"]["acceptance"] == "lantern"
+    assert s["vanilla"]["acceptance"] == "exact"
 
 
 def test_cli_refuses_a_missing_folder_in_one_line(tmp_path):

@@ -289,3 +289,81 @@ def test_last_step_oversampling_and_distillation_terms():
     plain = head.loss(x, z, generator=g())
     assert torch.allclose(head.loss(x, z, generator=g(), teacher=(head, z, 1.0)), plain)
     assert head.loss(x, z, generator=g(), teacher=(other, z, 1.0)) > plain + 1e-3
+
+
+def test_auxiliary_token_regression_adds_its_weighted_mse():
+    """MAR.loss `aux` (training only): the loss grows by weight * MSE(probe(z), masked tokens), linear in the
+    weight, and its gradient reaches the transformer (the point of it), not only the probe."""
+    m = randomize(MAR(MARArgs(img_size=64, vae_stride=16, encoder_embed_dim=32, encoder_depth=1, encoder_num_heads=2,
+                              decoder_embed_dim=32, decoder_depth=1, decoder_num_heads=2, vae_embed_dim=4, class_num=3,
+                              buffer_size=2, diffloss_d=1, diffloss_w=16)), 0)
+    probe = torch.nn.Linear(32, 4)
+    tokens, buf = torch.randn(3, 16, 4), m.buffer(labels=torch.tensor([0, 1, 2]))
+    g = lambda: torch.Generator().manual_seed(5)  # noqa: E731
+    l0, l1, l2 = (m.loss(tokens, buf, generator=g(), aux=None if w == 0 else (probe, w)) for w in (0, 1.0, 2.0))
+    assert l1 > l0 + 1e-3 and torch.allclose(l2 - l0, 2 * (l1 - l0), rtol=1e-4)
+    (l1 - l0).backward()
+    assert m.decoder_blocks[0].mlp.fc1.weight.grad.abs().sum() > 0
+
+
+# -- MAR checkpoints as a user meets them: inspect_checkpoint and the driver's checks ------------------------
+def test_inspect_checkpoint_identifies_mar_and_kl_vae_files_and_prints_their_settings(public):
+    from workflows.inspect_checkpoint import inspect as inspect_file, report
+    d = public[0]
+    mar = inspect_file(str(d / "target.pth"))
+    assert mar["kind"] == "mar" and mar["container"] == "model_ema" and mar["dims"]["encoder_embed_dim"] == 48
+    assert mar["settings"].startswith(f"model=mar model.mar_ckpt={d / 'target.pth'} model.vae_ckpt=")
+    assert "model.num_heads=" in mar["settings"]                      # width 48 is no preset: heads not in weights
+    vae = inspect_file(str(d / "kl16.ckpt"))
+    assert vae["kind"] == "kl_vae" and vae["dims"]["embed_dim"] == 4 and vae["settings"].startswith(f"model.vae_ckpt={d / 'kl16.ckpt'}")
+    text = report(mar)
+    assert "not a LlamaGen" not in text and "MAR (LTH14/mar layout" in text and "load it with: model=mar" in text
+    from decoding.mar.family import WEIGHTS
+    assert inspect_file(str(WEIGHTS / "mar.safetensors"))["settings"] == f"model=mar model.weights_dir={WEIGHTS}"
+
+
+def _vae8(path: Path) -> Path:
+    vae = randomize(AutoencoderKL(VAEArgs(**{**SMALL_VAE, "embed_dim": 8})), 0, std=0.02)
+    torch.save({"model": vae.state_dict()}, path)
+    return path
+
+
+@pytest.mark.parametrize("case", ["no_vae", "odd_width", "vae_channels", "cspd_no_draft"])
+def test_driver_refuses_wrong_mar_settings_in_one_line_before_anything_starts(public, tmp_path, case):
+    """As for LlamaGen: the checkpoints are checked in the driver (headers, meta device) before Ray starts,
+    one line naming the setting and the fix, and nothing is written to out_dir."""
+    import subprocess
+    import sys
+    d = public[0]
+    args = {"engine": "mar", "model.mar_ckpt": d / "target.pth", "model.vae_ckpt": d / "kl16.ckpt", "model.num_heads": 4}
+    want = {"no_vae": "model.vae_ckpt is not set: a MAR checkpoint needs the KL VAE it was trained on (kl16.ckpt)",
+            "odd_width": f"model.mar_ckpt={d / 'target.pth'}: a MAR of width 48 is none of the presets "
+                         f"([768, 1024, 1280]): set model.num_heads",
+            "vae_channels": f"model.vae_ckpt={tmp_path / 'vae8.ckpt'}: it makes 8-channel latents and "
+                            f"model.mar_ckpt={d / 'target.pth'} reads 4-channel tokens",
+            "cspd_no_draft": "engine cspd needs a draft MAR and the model has none"}[case]
+    if case == "no_vae":
+        del args["model.vae_ckpt"]
+    elif case == "odd_width":
+        del args["model.num_heads"]
+    elif case == "vae_channels":
+        args["model.vae_ckpt"] = _vae8(tmp_path / "vae8.ckpt")
+    else:
+        args["engine"] = "cspd"
+    out = tmp_path / "out"
+    res = subprocess.run([sys.executable, "-m", "workflows.generate", *(f"{k}={v}" for k, v in args.items()),
+                          f"out_dir={out}", "data.limit=1"], capture_output=True, text=True,
+                         cwd=Path(__file__).resolve().parents[1], timeout=300)
+    err = res.stderr.strip().splitlines()
+    assert res.returncode == 2 and err[-1].startswith("error: ") and want in err[-1], res.stderr[-2000:]
+    assert "Traceback" not in res.stderr and "ray" not in res.stderr.lower()
+    assert not out.exists() or not any(out.iterdir())
+
+
+def test_driver_check_passes_good_checkpoints_and_says_whether_there_is_a_draft(public):
+    from decoding.mar.family import check
+    d = public[0]
+    base = dict(mar_ckpt=str(d / "target.pth"), vae_ckpt=str(d / "kl16.ckpt"), num_heads=4)
+    assert check(MarConfig(**base)) == {"drafter": False}
+    assert check(MarConfig(**base, draft_mar_ckpt=str(d / "draft.pth"))) == {"drafter": True}
+    assert check(MarConfig()) == {"drafter": True}                     # the shipped models

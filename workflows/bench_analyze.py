@@ -132,7 +132,7 @@ def make_run(out: Path, engine: str, images: int, per_part: int, pool: list[dict
     from actors.output import IMAGE_SCHEMA
     from decoding.sampling import prompt_seed
     n, rng = GRID * GRID, np.random.default_rng([seed, sum(map(ord, engine))])
-    acceptance, depth, width = TREE_ENGINES.get(engine, ("exact", None, None))
+    acceptance, depth, width = TREE_ENGINES.get(engine, ("cspd(lam=42)" if engine == "cspd_like" else "exact", None, None))
     name = {"lantern": "adt_tree", "cspd_like": "cspd"}.get(engine, engine)
     settings = {"name": name, "acceptance": acceptance} if engine in TREE_ENGINES else {"name": name}
     (out / "images").mkdir(parents=True, exist_ok=True)

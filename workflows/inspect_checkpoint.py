@@ -16,6 +16,8 @@ from pathlib import Path
 from decoding.checkpoint import read_checkpoint
 from decoding.llamagen.layouts import DERIVED, KINDS, LAYOUTS, describe, drop_derived
 
+MAR_KINDS = {"mar": "MAR (LTH14/mar layout: transformer + diffusion head; model=mar)",
+             "kl_vae": "KL VAE (LDM layout, MAR's kl16.ckpt; model.vae_ckpt)"}
 ARGS_SHOWN = ("gpt_model", "gpt_type", "image_size", "downsample_size", "num_classes", "cls_token_num", "vq_model",
               "codebook_size", "codebook_embed_dim", "global_batch_size", "epochs", "lr")
 
@@ -66,6 +68,30 @@ def settings(info: dict, path: str) -> str:
     return ""
 
 
+def mar_settings(info: dict, path: str) -> str:
+    """The overrides that load a MAR or KL VAE file (decoding/mar/family.py)."""
+    if info.get("arspec_kind"):                                    # the continuous shapes models' own files
+        return f"model=mar model.weights_dir={Path(info['path']).parent}"
+    if info["kind"] == "kl_vae":
+        scale = "" if info["preset"] == "kl16" else " model.vae_scale=<1 / std of its latents>"
+        return f"model.vae_ckpt={path}{scale} (with model=mar model.mar_ckpt=<the MAR trained on it>)"
+    from decoding.mar.checkpoints import HEADS_BY_WIDTH
+    extra = [] if "model_ema" in info["entries"] else ["model.use_ema=false"]
+    if info["dims"]["encoder_embed_dim"] not in HEADS_BY_WIDTH:
+        extra.append("model.num_heads=<its attention heads>")
+    return " ".join([f"model=mar model.mar_ckpt={path} model.vae_ckpt=<its kl16.ckpt>", *extra]) + \
+        f" (as cspd's draft: model.draft_mar_ckpt={path})"
+
+
+def _inspect_mar(p: Path, info: dict, path: str) -> dict:
+    from decoding.mar.checkpoints import inspect as mar_inspect
+    m = mar_inspect(p)
+    info.update(kind=m["family"], layout=None, preset=m["preset"], dims=m["dims"], container=(
+        "model_ema" if "model_ema" in info["entries"] else info["container"]))
+    info["settings"] = mar_settings(info, path)
+    return info
+
+
 def inspect(path: str) -> dict:
     p = _file(Path(path).expanduser())
     meta = _metadata(p) if p.exists() else {}
@@ -75,6 +101,12 @@ def inspect(path: str) -> dict:
     if "kind" in meta:                                   # one of arspec's own files
         info["arspec_kind"] = meta["kind"]
         info["arspec_args"] = json.loads(meta["args"]) if "args" in meta else None
+    from decoding.mar.checkpoints import family_of
+    sd = {k: v for k, v in ck.state_dict.items() if not k.startswith("loss.")}   # an LDM VAE's training loss
+    if family_of(sd) in ("mar", "kl_vae") or meta.get("kind") in ("mar", "kl_vae"):
+        info["parameters"] = sum(v.numel() for v in sd.values())
+        info["dtype"] = str(next(iter(sd.values())).dtype).replace("torch.", "") if sd else "?"
+        return _inspect_mar(p, info, path)
     info.update(describe(drop_derived(ck.state_dict)))
     saved = ck.extra.get("args")
     if saved is not None:
@@ -91,7 +123,8 @@ def report(info: dict) -> str:
     lines = [f"{info['path']}  ({info['format']}, {size:,.1f} MiB)", f"  container: {where}"]
     if "arspec_kind" in info:
         lines.append(f"  arspec file: kind {info['arspec_kind']!r}, args {info['arspec_args']}")
-    lines.append(f"  kind: {KINDS[info['kind']]}" + (f", {LAYOUTS[info['layout']]}" if info["layout"] else ""))
+    lines.append(f"  kind: {MAR_KINDS.get(info['kind']) or KINDS[info['kind']]}"
+                 + (f", {LAYOUTS[info['layout']]}" if info["layout"] else ""))
     lines.append(f"  weights: {info['parameters'] / 1e6:,.2f}M parameters ({info['dtype']})"
                  + (f"; derived buffers ignored: {info['derived_keys']}" if info["derived_keys"] else ""))
     k = info["kind"]
@@ -108,6 +141,9 @@ def report(info: dict) -> str:
                      f"ch_mult {info['ch_mult']}, z_channels {info['z_channels']}, {info['num_res_blocks']} res blocks, "
                      f"downsample {info['downsample']}")
         lines.append(f"  preset: {info['preset'] or 'none (give model.vq_ch_mult)'}")
+    elif k in MAR_KINDS:
+        lines.append(f"  dims: {info['dims']}")
+        lines.append(f"  preset: {info['preset']}")
     elif k == "drafter":
         lines.append(f"  dims: dim {info['dim']}, {info['n_layer']} layer(s), fc bias {info['fc_bias']}"
                      + (f", carries a copy of its target's embeddings (vocab {info['vocab_size']})" if info["vocab_size"] else ""))

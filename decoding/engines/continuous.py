@@ -2,19 +2,23 @@
 log acceptance ratio and the acceptance-rejection sampler of the residual, on the device, in log space.
 
 Each model's distribution for a token is summarised by its diffusion sampler (decoding/models/diffloss.py)
-along the aligned trajectory: the final-step Gaussian N(μ_0, σ_0²) (σ_0 with temperature) and
-L = Σ_{t≥1} log σ_t per dimension. With x the draft's token (x = μ_q0: the last step adds no noise),
+along the aligned trajectory (the same x_T and ε_t for both): the final-step Gaussian N(μ_0, σ_0²) (σ_0
+with temperature) and L = Σ_{t≥1} log σ_t per dimension. The draft proposes x = μ_q0 + σ_q0 ε_0, a draw
+of its final Gaussian (ε_0: the step-0 noise of that position, which the sampler itself does not use), and
 
-    log r = Σ_d [log σ_q0 − log σ_p0] + Σ_d (L_p − L_q) − ½ Σ_d ((x − μ_p0) / (λ σ_p0))² + ½ Σ_d ((x − μ_q0) / (λ σ_q0))²
+    log r = Σ_d [log σ_q0 − log σ_p0] + τ Σ_d (L_p − L_q) − ½ Σ_d ((x − μ_p0) / (λ σ_p0))² + ½ Σ_d ((x − μ_q0) / (λ σ_q0))²
 
-and the draft is accepted when log u < log r. λ (CSpD's "inner temperature", 42 there) widens both kernels:
-a relaxation, 1 is the plain density ratio. The reference multiplies the raw densities, which overflow
-or vanish over 16 dimensions and 99 steps; sums of logs do not.
+and the draft is accepted when log u < log r. λ (CSpD's "inner temperature", 42 there) widens both kernels
+and τ = 1 adds the reference's trajectory term: both are relaxations. With λ = 1 and τ = 0, log r is the
+log density ratio of the two final Gaussians given the shared trajectory noise, and with the residual
+below a token is an exact draw of the target's final Gaussian N(μ_p0, σ_p0²) (tests/test_cspd.py checks
+it through the engine). The reference multiplies the raw densities, which overflow or vanish over 16
+dimensions and 99 steps; sums of logs do not.
 
-A rejected token is redrawn from the residual ∝ max(0, p − c·q), c = exp(Σ_d (L_q − L_p)) (the residual
-of the test without λ), by acceptance-rejection with proposal p: max(0, p − c·q) ≤ M·p with M = 1, so a
-proposal x ~ p is kept with probability max(0, 1 − c·q(x)/p(x)). Tries are bounded; a token whose tries
-all fail is reported (`ok` False) so the caller can fall back explicitly.
+A rejected token is redrawn from the residual ∝ max(0, p − c·q), c = exp(τ Σ_d (L_q − L_p)), by
+acceptance-rejection with proposal p: max(0, p − c·q) ≤ M·p with M = 1, so a proposal x ~ p is kept with
+probability max(0, 1 − c·q(x)/p(x)). Tries are bounded; a token whose tries all fail is reported (`ok`
+False) so the caller can fall back explicitly.
 """
 from __future__ import annotations
 
@@ -30,9 +34,10 @@ def gaussian_logpdf(x: torch.Tensor, mu: torch.Tensor, sigma: torch.Tensor) -> t
     return (-0.5 * ((x - mu) / sigma).pow(2) - torch.log(sigma) - 0.5 * LOG_2PI).sum(-1)
 
 
-def log_accept_ratio(x: torch.Tensor, mu_q, sigma_q, L_q, mu_p, sigma_p, L_p, lam: float) -> torch.Tensor:
-    """[..., D] tensors -> log r [...] (see the module docstring)."""
-    return (torch.log(sigma_q) - torch.log(sigma_p) + L_p - L_q).sum(-1) \
+def log_accept_ratio(x: torch.Tensor, mu_q, sigma_q, L_q, mu_p, sigma_p, L_p, lam: float,
+                     tau: float = 1.0) -> torch.Tensor:
+    """[..., D] tensors -> log r [...] (see the module docstring; tau weighs the trajectory term)."""
+    return (torch.log(sigma_q) - torch.log(sigma_p) + tau * (L_p - L_q)).sum(-1) \
         - 0.5 * ((x - mu_p) / (lam * sigma_p)).pow(2).sum(-1) + 0.5 * ((x - mu_q) / (lam * sigma_q)).pow(2).sum(-1)
 
 

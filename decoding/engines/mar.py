@@ -96,6 +96,11 @@ class ContinuousEngine(Engine):
         eps = streams.normal(NOISE, EPS, pos[..., None, None], torch.arange(steps, device=self.device)[:, None], d)
         return x_T, eps
 
+    def final_noise(self, streams: Streams, pos: torch.Tensor) -> torch.Tensor:
+        """pos [B, n] -> ε_0 [B, n, C]: the noise of diffusion step 0 at those positions (= `noise`'s ε[:, :, 0]),
+        which the sampler does not use (its last step adds none); cspd's draft proposes μ_q0 + σ_q0 ε_0."""
+        return streams.normal(NOISE, EPS, pos[..., None], 0, torch.arange(self.C, device=self.device))
+
     # -- one model step ----------------------------------------------------------------------------------
     def buffer(self, model: MAR, cond) -> torch.Tensor:
         """Condition slots for the rows: [cond; uncond] under CFG."""

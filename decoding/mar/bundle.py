@@ -27,6 +27,27 @@ class MarConditions:
         return len(self.labels if self.labels is not None else self.features)
 
 
+DRAFT_SHARES = ("seq_len", "token_dim", "cond", "buffer_size", "caption_dim", "class_num", "num_sampling_steps")
+
+
+def check_parts(target: MAR, draft: Optional[MAR], vae_channels: int, names=("the MAR", "the draft MAR", "the VAE")) -> None:
+    """What the parts must share (on skeletons too: the driver checks headers): the draft the target's tokens,
+    condition and sampler; the VAE the tokens' channels. `names` say which setting each part came from."""
+    if draft is not None:
+        for key in DRAFT_SHARES:
+            if getattr(draft.args, key) != getattr(target.args, key):
+                raise ValueError(f"{names[1]}: its {key} ({getattr(draft.args, key)}) differs from the target's "
+                                 f"({getattr(target.args, key)}): a draft must share the target's tokens and condition")
+        for key in ("num_sampling_steps", "clip_x0"):   # the sampler as run (model.* may override the args)
+            if getattr(draft.diffloss, key) != getattr(target.diffloss, key):
+                raise ValueError(f"{names[1]}: its diffusion sampler has {key}={getattr(draft.diffloss, key)} and the "
+                                 f"target's {getattr(target.diffloss, key)}: aligned trajectories need the same sampler")
+    if target.args.token_dim != vae_channels:
+        raise ValueError(f"{names[2]}: it makes {vae_channels}-channel latents and {names[0]} reads "
+                         f"{target.args.token_dim}-channel tokens: give the VAE the MAR was trained on "
+                         f"(kl16.ckpt for the released MARs)")
+
+
 class MarBundle:
     """`tokens = "continuous"`: the engines `mar` and `cspd` take it, the discrete ones refuse it."""
     tokens = "continuous"
@@ -37,17 +58,7 @@ class MarBundle:
         self.name, self.sampling = name, sampling
         self.device = torch.device(device)
         self.dtype = pick_dtype(dtype, self.device)
-        if draft is not None:
-            for key in ("seq_len", "token_dim", "cond", "buffer_size", "caption_dim", "class_num", "num_sampling_steps"):
-                if getattr(draft.args, key) != getattr(mar.args, key):
-                    raise ValueError(f"the draft MAR's {key} ({getattr(draft.args, key)}) differs from the target's "
-                                     f"({getattr(mar.args, key)}): a draft must share the target's tokens and condition")
-            for key in ("num_sampling_steps", "clip_x0"):   # the sampler as run (model.* may override the args)
-                if getattr(draft.diffloss, key) != getattr(mar.diffloss, key):
-                    raise ValueError(f"the draft's diffusion sampler has {key}={getattr(draft.diffloss, key)} and the "
-                                     f"target's {getattr(mar.diffloss, key)}: aligned trajectories need the same sampler")
-        if mar.args.token_dim != vae.args.embed_dim:
-            raise ValueError(f"the MAR reads {mar.args.token_dim}-channel tokens and the VAE makes {vae.args.embed_dim}")
+        check_parts(mar, draft, vae.args.embed_dim)
         self.vae, self.text = (m.to(self.device).eval() if m is not None else None for m in (vae, text))
         # The transformers run in `dtype`; on a CPU the diffusion head stays fp32 (its inputs are a few rows:
         # bf16 buys nothing there and costs precision in the σ that cspd's acceptance reads).

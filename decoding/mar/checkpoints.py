@@ -8,7 +8,9 @@ strictly, and say in one line what is wrong when a file is not what its setting 
   match, both ways.
 - Our own safetensors (with kind + args metadata) load as they are.
 
-`inspect(path)` says what a file is (family, preset, dims, container) without building a model.
+`inspect(path)` says what a file is (family, preset, dims, container) without building a model, and
+`load_mar` / `load_vae` with `check_only=True` run every check of a load on the meta device (no weights
+copied, torch files memory-mapped): what the job's driver does before anything starts.
 """
 from __future__ import annotations
 
@@ -38,7 +40,12 @@ def read_container(path: str | Path, field: str) -> tuple[dict, dict]:
             sd, meta = read_safetensors(path)
             return {"model": sd}, meta
         with torch.serialization.safe_globals([argparse.Namespace]):
-            ckpt = torch.load(path, map_location="cpu", weights_only=True)
+            try:
+                ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            except RuntimeError as e:   # mmap needs the zip format; a legacy file loads without it
+                if "mmap can only be used" not in str(e):
+                    raise
+                ckpt = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - a damaged or foreign file: say so in one line
         msg = " ".join(str(e).split())[:160]
         raise ValueError(f"{field}={path}: cannot be read as a safetensors or torch checkpoint ({type(e).__name__}: {msg})") from None
@@ -109,8 +116,17 @@ def vae_args(sd: dict, scale: float) -> VAEArgs:
                    norm_groups=32, scale=scale)
 
 
+def _build(cls, args, check_only: bool) -> torch.nn.Module:
+    """The model, or (check_only) its skeleton on the meta device: shapes without memory."""
+    if not check_only:
+        return cls(args)
+    with torch.device("meta"):
+        return cls(args)
+
+
 def load_strict(model: torch.nn.Module, sd: dict, field: str, path) -> torch.nn.Module:
-    """load_state_dict(strict) with the first differences in one line, instead of a page of keys."""
+    """load_state_dict(strict) with the first differences in one line, instead of a page of keys; a model
+    on the meta device is only checked."""
     own = model.state_dict()
     missing = [k for k in own if k not in sd]
     unexpected = [k for k in sd if k not in own]
@@ -120,6 +136,8 @@ def load_strict(model: torch.nn.Module, sd: dict, field: str, path) -> torch.nn.
         parts = [f"{len(x)} {what} ({', '.join(x[:3])}{', ...' if len(x) > 3 else ''})"
                  for x, what in ((missing, "missing"), (unexpected, "unexpected"), (shapes, "of the wrong shape")) if x]
         raise ValueError(f"{field}={path}: does not fit the model its weights describe: {'; '.join(parts)}")
+    if any(p.is_meta for p in model.parameters()):
+        return model
     model.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in sd.items()}, strict=True)
     return model.eval()
 
@@ -132,10 +150,10 @@ def _expect(sd: dict, want: str, field: str, path) -> None:
 
 
 def load_mar(path, field: str = "model.mar_ckpt", use_ema: bool = True, num_heads: Optional[int] = None,
-             num_sampling_steps: Optional[int] = None) -> MAR:
+             num_sampling_steps: Optional[int] = None, check_only: bool = False) -> MAR:
     ckpt, meta = read_container(path, field)
     if meta.get("kind") == MAR.kind:  # one of ours: sizes in its metadata
-        m = load_module(path, MAR)
+        m = _build(MAR, MARArgs(**meta["args"]), True) if check_only else load_module(path, MAR)
         if num_sampling_steps:
             m.diffloss.num_sampling_steps = num_sampling_steps
         return m
@@ -150,13 +168,13 @@ def load_mar(path, field: str = "model.mar_ckpt", use_ema: bool = True, num_head
         raise ValueError(f"{field}={path}: a MAR checkpoint without {e}: the file is incomplete") from None
     except ValueError as e:
         raise ValueError(f"{field}={path}: {e}") from None
-    return load_strict(MAR(args), sd, field, path)
+    return load_strict(_build(MAR, args, check_only), sd, field, path)
 
 
-def load_vae(path, field: str = "model.vae_ckpt", scale: float = 0.2325) -> AutoencoderKL:
+def load_vae(path, field: str = "model.vae_ckpt", scale: float = 0.2325, check_only: bool = False) -> AutoencoderKL:
     ckpt, meta = read_container(path, field)
     if meta.get("kind") == AutoencoderKL.kind:
-        return load_module(path, AutoencoderKL)
+        return _build(AutoencoderKL, VAEArgs(**meta["args"]), True) if check_only else load_module(path, AutoencoderKL)
     sd = _state(ckpt, field, path, use_ema=False)
     sd = {k: v for k, v in sd.items() if not k.startswith("loss.")}
     _expect(sd, "kl_vae", field, path)
@@ -164,7 +182,7 @@ def load_vae(path, field: str = "model.vae_ckpt", scale: float = 0.2325) -> Auto
         args = vae_args(sd, scale)
     except (KeyError, IndexError) as e:
         raise ValueError(f"{field}={path}: a KL VAE checkpoint without {e}: the file is incomplete") from None
-    return load_strict(AutoencoderKL(args), sd, field, path)
+    return load_strict(_build(AutoencoderKL, args, check_only), sd, field, path)
 
 
 def inspect(path) -> dict:

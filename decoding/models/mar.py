@@ -238,12 +238,14 @@ class MAR(nn.Module):
 
     def loss(self, tokens: torch.Tensor, buffer: torch.Tensor, diffusion_batch_mul: int = 4,
              generator: Optional[torch.Generator] = None, last_step_prob: float = 0.0,
-             teacher: Optional[tuple] = None) -> torch.Tensor:
+             teacher: Optional[tuple] = None, aux: Optional[tuple] = None) -> torch.Tensor:
         """tokens [B, N, C] (scaled latents), buffer [B, buf, D] (condition dropout already applied):
         random orders, one masking ratio per batch (MAR), diffusion loss on the masked tokens, each
         repeated `diffusion_batch_mul` times with its own timestep and noise. `last_step_prob`: see
         DiffLoss.loss. `teacher`: (MAR, its buffer, weight): the teacher sees the same known tokens and its
-        head the same x_t and t; this model's head is pulled towards its outputs (DiffLoss.loss)."""
+        head the same x_t and t; this model's head is pulled towards its outputs (DiffLoss.loss). `aux`: (probe, weight): add weight * the MSE of probe(z) against the masked tokens, a
+        training-only regression that gives the transformer a direct signal of each token's expected value
+        (the diffusion loss alone teaches where the object is slowly: its ε error is mostly noise)."""
         B, N, C = tokens.shape
         order = torch.rand(B, N, generator=generator).argsort(1).to(tokens.device)
         n_masked = math.ceil(N * self.mask_ratio(generator))
@@ -263,5 +265,9 @@ class MAR(nn.Module):
             model, buf, weight = teacher
             with torch.no_grad():
                 distill = (model.diffloss, conditions(model, buf).repeat(m, 1), weight)
-        return self.diffloss.loss(target.repeat(m, 1), z.repeat(m, 1), generator=generator,
+        loss = self.diffloss.loss(target.repeat(m, 1), z.repeat(m, 1), generator=generator,
                                   last_step_prob=last_step_prob, teacher=distill)
+        if aux is not None:
+            probe, weight = aux
+            loss = loss + weight * F.mse_loss(probe(z.float()), target.float())
+        return loss

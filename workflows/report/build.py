@@ -298,7 +298,7 @@ def _adherence_table(runs, data) -> str:
 
 
 def _distance_table(runs, data) -> str:
-    rows = [[H.esc(r.label), "relaxed" if r.relaxed else "exact", H.esc(d["baseline"]), d["images"], H.fmt(d["frechet"]),
+    rows = [[H.esc(r.label), f"relaxed: {H.esc(r.acceptance)}" if r.relaxed else "exact", H.esc(d["baseline"]), d["images"], H.fmt(d["frechet"]),
              H.pct(d["precision"]), H.pct(d["recall"])]
             for r in runs if (d := data[r.label]["distance"])]
     return H.table(["run", "acceptance", "against", "images", "Fréchet distance", "precision", "recall"], rows, left=3)

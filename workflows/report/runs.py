@@ -18,7 +18,7 @@ class Run:
     path: Path
     label: str                      # unique within the report: the folder name, with its parent if needed
     engine: str                     # engine.name from job.json
-    acceptance: str                 # exact | lantern | ... (as the engine's settings say)
+    acceptance: str                 # exact | lantern | cspd(lam=42) | ... as the engine reported it (`reported_acceptance`)
     model: dict                     # the model settings from job.json (family name first)
     settings: dict = field(default_factory=dict)   # the engine's settings from job.json
     seed: int | None = None
@@ -27,7 +27,8 @@ class Run:
 
     @property
     def relaxed(self) -> bool:
-        return self.acceptance not in ("exact", "")
+        """Only a run whose engine reported exact acceptance for every image is lossless."""
+        return self.acceptance != "exact"
 
     def glob(self, table: str) -> str | None:
         """DuckDB glob of a table's parts, or None when the run has none (e.g. no errors/)."""
@@ -69,6 +70,22 @@ def non_default_settings(r: Run) -> dict:
     return {k: v for k, v in mine.items() if k not in default or default[k] != v}
 
 
+def reported_acceptance(path: Path) -> str:
+    """What the engine said its acceptance is: the images table's `acceptance` column (each image's engine
+    writes it), else summary.json's; `unknown` when neither exists, several values joined by `+`. Never a
+    default: a setting missing from job.json says nothing about the engine (cspd has no such setting)."""
+    import pyarrow.parquet as pq
+    parts = sorted((path / "images").glob("*.parquet"))
+    seen = set()
+    for p in parts:
+        if "acceptance" in pq.read_schema(p).names:
+            seen |= {v for v in pq.read_table(p, columns=["acceptance"]).column(0).to_pylist() if v}
+    if not seen and (path / "summary.json").is_file():
+        v = json.loads((path / "summary.json").read_text()).get("acceptance")
+        seen = set(v) if isinstance(v, list) else {v} if v else set()
+    return "+".join(sorted(seen)) or "unknown"
+
+
 def _labels(paths: list[Path]) -> list[str]:
     labels = [p.name for p in paths]
     if len(set(labels)) < len(labels):
@@ -85,7 +102,7 @@ def load_runs(paths: list[Path], baselines: list[str]) -> list[Run]:
         job = json.loads((p / "job.json").read_text())
         summary = json.loads((p / "summary.json").read_text()) if (p / "summary.json").is_file() else {}
         engine = job.get("engine", {})
-        runs.append(Run(p, label, engine.get("name", "?"), engine.get("acceptance", "exact"), job.get("model", {}),
+        runs.append(Run(p, label, engine.get("name", "?"), reported_acceptance(p), job.get("model", {}),
                         engine, job.get("seed"), summary.get("batch_size")))
     runs.sort(key=lambda r: r.engine not in baselines)
     return runs

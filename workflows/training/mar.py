@@ -183,6 +183,11 @@ def train_mar(cfg, out_dir: Path, name: str = "mar") -> dict:
         teacher = (t_model, cfg.distill)
         log.info(f"[{name}] distilling from {cfg.teacher}.safetensors (weight {cfg.distill})")
 
+    aux = None
+    if cfg.get("aux_x0", 0):  # a training-only linear probe z -> token (MAR.loss); not saved
+        aux = (torch.nn.Linear(model.args.decoder_embed_dim, model.args.token_dim), cfg.aux_x0)
+        log.info(f"[{name}] auxiliary token regression from z (weight {cfg.aux_x0})")
+
     def tokens_of(m, lv, g):
         z = m + torch.exp(0.5 * lv) * torch.randn(m.shape, generator=g)   # posterior samples, as MAR trains
         return model.patchify(z * vae.args.scale)
@@ -200,9 +205,10 @@ def train_mar(cfg, out_dir: Path, name: str = "mar") -> dict:
             with torch.no_grad():
                 t_arg = (teacher[0], teacher[0].buffer(features=feats[b], mask=mask[b], drop=drop), teacher[1])
         return model.loss(tokens_of(mean[b], logvar[b], gen), buf, cfg.diffusion_batch_mul, gen,
-                          last_step_prob=cfg.get("last_step_prob", 0.0), teacher=t_arg), {}
+                          last_step_prob=cfg.get("last_step_prob", 0.0), teacher=t_arg, aux=aux), {}
 
-    stats = run_steps(name, model.parameters(), step, cfg.steps, cfg.lr, weight_decay=cfg.weight_decay,
+    params = list(model.parameters()) + (list(aux[0].parameters()) if aux else [])
+    stats = run_steps(name, params, step, cfg.steps, cfg.lr, weight_decay=cfg.weight_decay,
                       warmup=cfg.warmup, log_every=cfg.log_every)
     ema.update(model)
     metrics = evaluate_mar(ema.model, vae, ev, cfg.seed)
