@@ -11,6 +11,7 @@ by another version, whose images would not match. tests/test_sampling.py pins th
   5  the race's times from all 32 bits (sampling.exponential), uniforms on the 2^-23 grid (sampling.unit):
      both strictly inside their range in float32 (the 2^-24 grid's top value was 1.0, which drew tokens
      of zero mass); temperature applied after subtracting the row's maximum; mc_sjd's Gumbel coupling is
-     the same race as `sample`; a Jacobi draft with p >= q passes without reading its uniform
+     the same race as `sample`; a Jacobi draft with p >= q passes without reading its uniform; a cspd
+     draft proposes a draw of its final Gaussian (μ_q + σ_q ε_0), not its mean
 """
 BYTES_VERSION = 5
