@@ -126,8 +126,8 @@ def _hf_metadata(schema: pa.Schema, image_column: str | None) -> dict:
     def feature(f: pa.Field):
         if f.name == image_column:
             return {"_type": "Image"}
-        return {"dtype": {pa.string(): "string", pa.int64(): "int64", pa.int32(): "int32", pa.float32(): "float32",
-                          pa.bool_(): "bool", pa.float64(): "float64"}[f.type], "_type": "Value"}
+        return {"dtype": {pa.string(): "string", pa.int64(): "int64", pa.int32(): "int32", pa.int8(): "int8",
+                          pa.float32(): "float32", pa.bool_(): "bool", pa.float64(): "float64"}[f.type], "_type": "Value"}
     return {b"huggingface": json.dumps({"info": {"features": {f.name: feature(f) for f in schema}}}).encode()}
 
 

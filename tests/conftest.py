@@ -16,6 +16,11 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 HYDRA_DIR = tempfile.mkdtemp(prefix="arspec-hydra-")
 os.environ["ARSPEC_HYDRA_DIR"] = HYDRA_DIR
 atexit.register(shutil.rmtree, HYDRA_DIR, True)
+# the cost tables an engine measures (decoding/engines/cost.py) go to a folder of this run, not the user's
+# cache: a test that measures measures afresh, and no test reads a table another run measured
+if "ARSPEC_CACHE" not in os.environ:
+    os.environ["ARSPEC_CACHE"] = tempfile.mkdtemp(prefix="arspec-cache-")
+    atexit.register(shutil.rmtree, os.environ["ARSPEC_CACHE"], True)
 # two threads (this machine's cores) unless OMP_NUM_THREADS says otherwise: on a busy host a second
 # thread that is not scheduled stalls every op of the first
 torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or max(1, min(2, os.cpu_count() or 1))))
@@ -41,6 +46,27 @@ def tiny_bundle(vocab=4, grid=2, dim=32, n_layer=2, std=0.5, seed=0, model_type=
     for p in list(gpt.parameters()) + list(drafter.parameters()):
         torch.nn.init.normal_(p, std=std)
     return ModelBundle("tiny", vq.eval(), gpt.eval(), drafter=drafter.eval(), dtype=dtype)
+
+
+def cost_file(d: Path, target=lambda R, T: 10.0 + 0.01 * T, drafter=lambda R, T: 0.05 * R * T ** 0.5,
+              width_ms: float = 0.0, overhead_ms: dict | None = None, name: str = "costs.json") -> str:
+    """A cost table written as `engine.costs=PATH` takes it (cost.py CostTable): the tree engines decide
+    from these numbers and measure nothing, so that no test's steps depend on the host's timings. The
+    default: verifying is nearly free (a GPU-like device), drafting cheap, attention width free."""
+    import json
+    from decoding.engines.cost import ROWS, TOKENS
+    table = {"rows": list(ROWS), "tokens": list(TOKENS),
+             "target_ms": [[target(R, T) for T in TOKENS] for R in ROWS],
+             "drafter_ms": [[drafter(R, T) for T in TOKENS] for R in ROWS],
+             "width_ms": [width_ms] * len(ROWS), "overhead_ms": overhead_ms or {}}
+    d.mkdir(parents=True, exist_ok=True)
+    (d / name).write_text(json.dumps(table))
+    return str(d / name)
+
+
+# the cost table the tree engines in tests decide from unless a test gives its own (cost_file's default)
+COSTS = cost_file(Path(tempfile.mkdtemp(prefix="arspec-costs-")))
+atexit.register(shutil.rmtree, str(Path(COSTS).parent), True)
 
 
 def labels(n: int, label: int = 1) -> Conditions:

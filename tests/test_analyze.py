@@ -240,11 +240,32 @@ def test_a_probability_of_one_falls_in_the_top_bin(tmp_path):
     cols = {"prompt_id": ["a"] * n, "token_index": list(range(n)), "row": [0] * n, "col": list(range(n)),
             "token_id": [1] * n, "step": [0, 1, 1], "accepted": [False, True, False], "accept_len": [1, 2, 2],
             "p_target": [1.0, 1.0, 0.95], "q_draft": [NAN, 1.0, NAN], "tree_depth": [0] * n, "tree_width": [0] * n,
-            "engine": ["sjd"] * n}
+            "engine": ["sjd"] * n, "proposer": [3] * n}
     pq.write_table(pa.Table.from_pydict(cols, schema=pa.schema(_schema(Q.COMMON))), tmp_path / "t.parquet")
     t = Q.Tables(Q.connect("1GB"), "unused", Q.parquet(str(tmp_path / "t.parquet")))
     assert [r["bin"] for r in Q.calibration_draft(t)] == [9]
     assert [(r["bin"], r["tokens"]) for r in Q.calibration_target(t)] == [(9, 3)]
+
+
+@pytest.mark.parametrize("logged", [True, False])
+def test_tree_shapes_come_from_drafter_trees_only(tmp_path, logged):
+    """A chain step logs its chain's length as depth (16) and a plain step 0: neither is a tree's shape.
+    The cell maps, the per-depth table and one image's map average the drafter trees' tokens alone
+    (proposer 2); a run written before the proposer column averages every token, as it did."""
+    n = 4
+    cols = {"prompt_id": ["a"] * n, "token_index": list(range(n)), "row": [0] * n, "col": list(range(n)),
+            "token_id": [1] * n, "step": [0, 1, 2, 3], "accepted": [False, True, True, False], "accept_len": [1] * n,
+            "p_target": [0.5] * n, "q_draft": [NAN] * n, "tree_depth": [0, 16, 3, 5], "tree_width": [0, 1, 2, 4],
+            "engine": ["adt_tree"] * n, "proposer": [0, 1, 2, 2]}
+    if not logged:
+        del cols["proposer"]
+    pq.write_table(pa.Table.from_pydict(cols, schema=_schema(cols)), tmp_path / "t.parquet")
+    t = Q.Tables(Q.connect("1GB"), "unused", Q.parquet(str(tmp_path / "t.parquet")))
+    want = [NAN, NAN, 3.0, 5.0] if logged else [0.0, 16.0, 3.0, 5.0]
+    np.testing.assert_equal(Q.cells(t)["tree_depth"][0], want)
+    np.testing.assert_equal(Q.image_tokens(t, "a")["tree_depth"][0], want)
+    assert [r["value"] for r in Q.by_value(t, "tree_depth")] == ([3, 5] if logged else [0, 3, 5, 16])
+    assert [r["value"] for r in Q.by_value(t, "tree_width")] == ([2, 4] if logged else [0, 1, 2, 4])
 
 
 def test_profile_of_family_columns(tmp_path):
@@ -254,7 +275,7 @@ def test_profile_of_family_columns(tmp_path):
     cols = {"prompt_id": ["a"] * n, "token_index": list(range(n)), "row": [0] * n, "col": list(range(n)),
             "token_id": [None] * n, "step": [0, 1, 1, 1, 2, 2], "accepted": [False, True, True, False, True, False],
             "accept_len": [1, 3, 3, 3, 2, 2], "p_target": [NAN] * n, "q_draft": [NAN] * n, "tree_depth": [0] * n,
-            "tree_width": [0] * n, "engine": ["cspd"] * n, "window_pos": [0, 0, 1, 2, 0, 1],
+            "tree_width": [0] * n, "engine": ["cspd"] * n, "proposer": [4] * n, "window_pos": [0, 0, 1, 2, 0, 1],
             "log_ratio": [0.0, -0.25, -0.5, -3.0, -0.125, float("-inf")], "budget": [0] * n, "scale": [NAN] + [0.5] * 5}
     schema = pa.schema([*_schema(Q.COMMON), pa.field("window_pos", pa.int32()), pa.field("log_ratio", pa.float32()),
                         pa.field("budget", pa.int32()), pa.field("scale", pa.float32())])

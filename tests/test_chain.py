@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import pytest
 
-import decoding.engines.tree as tree_module
 from decoding.engines import build_engine, engine_config
 from decoding.engines.base import Request
 from decoding.engines.budget import CHAIN_RUN, FLOOR_SAMPLES, PROBE_MAX, PROBE_SHARE, Budget, bucket
 from decoding.engines.verify import draws
 from decoding.sampling import Streams, sample
-from tests.conftest import labels, tiny_bundle
+from tests.conftest import COSTS, cost_file, labels, tiny_bundle
 from tests.test_budget import PLAIN, SAMPLING, alternate, run, table, with_width
 from tests.test_oracle import oracle
 
@@ -42,7 +41,7 @@ def test_rows_that_take_the_next_prompt_start_a_new_chain():
     committed token, copies that token into every lane (no row above is committed yet)."""
     bundle = tiny_bundle(vocab=8, grid=4, seed=1, std=0.3)
     ref = vanilla(bundle, 12)
-    engine = build_engine(bundle, engine_config("adt_tree", sampling=SAMPLING, total_tokens=6, chain=5))
+    engine = build_engine(bundle, engine_config("adt_tree", sampling=SAMPLING, total_tokens=6, chain=5, costs=COSTS))
     mixed(engine, [1, 0, 0], [0, 4])        # an image may end on any kind of step, its last draws unused
     calls = record_chains(engine)
     outs = list(engine.stream((Request(c, 100 + i, key=i) for i, c in enumerate(labels(12).split())), slots=5))
@@ -70,7 +69,7 @@ def mixed(engine, chain_pattern, tree_pattern):
 def test_chain_tree_and_plain_steps_mixed_commit_vanillas_tokens():
     bundle = tiny_bundle(vocab=8, grid=4, seed=1, std=0.3)
     ref = vanilla(bundle, 24)
-    engine = build_engine(bundle, engine_config("adt_tree", sampling=SAMPLING, total_tokens=6, chain=5))
+    engine = build_engine(bundle, engine_config("adt_tree", sampling=SAMPLING, total_tokens=6, chain=5, costs=COSTS))
     mixed(engine, [1, 1, 0, 0, 1, 0], [0, 6])
     out = engine.generate(labels(24), range(100, 124))
     assert [r.tokens.tolist() for r in out] == [r.tokens.tolist() for r in ref]
@@ -106,7 +105,7 @@ def test_each_chain_is_the_targets_draws_after_the_chain_before_it(pattern):
     count n', drafts token n' + j with that draw where one was made (k = n' + j - n <= K), whatever plain
     or tree steps ran between; the other lanes copy the token one image row above, or the last one."""
     bundle = tiny_bundle(vocab=8, grid=4, seed=1, std=0.3)
-    engine = build_engine(bundle, engine_config("eagle2", sampling=SAMPLING, total_tokens=6, chain=5))
+    engine = build_engine(bundle, engine_config("eagle2", sampling=SAMPLING, total_tokens=6, chain=5, costs=COSTS))
     mixed(engine, pattern, [0, 4])
     engine._regroup = lambda state, rows, keep, slots: (state, rows)   # rows keep their places (b below)
     calls = record_chains(engine)
@@ -183,9 +182,9 @@ def test_one_busy_chain_step_does_not_switch_chains_off():
     for b, K, stays in ((chain_budget(), 1, True), (Budget(table(lambda R, T: 10.0 + 0.01 * T), 16, 4), 16, False)):
         g = b.goodput(2)
         for _ in range(FLOOR_SAMPLES):
-            b.observe(2, 0, step_ms=10.0, forward_ms=10.0)
+            b.observe(2, 0, step_ms=10.0)
         g.rate[bucket(K)], g.seen[bucket(K)], g.step = 1.5, 0, 1
-        b.observe(2, K, step_ms=20.0, forward_ms=20.0, tokens_per_row=1.0)
+        b.observe(2, K, step_ms=20.0, tokens_per_row=1.0)
         assert g.below_plain(bucket(K)) != stays, (K, g.rate)
 
 
@@ -195,32 +194,15 @@ def test_chain_steps_run_only_where_the_cost_table_says_one_costs_at_most_chain_
     """The gate on the hardware (tree.py `_chains_pay`): measured per step, chains looked like a win at
     batch 8 on a CPU where whole images lost. Above `chain_cost` no chain step runs, and the tree's own
     budget plans as it did without chains."""
-    monkeypatch.setenv("ARSPEC_CACHE", str(tmp_path))
-    monkeypatch.setattr(tree_module, "cost_table", lambda bundle, rows=(): table(
-        lambda R, T: 10.0 * (1 + (ratio - 1) * (T - 1) / 16)))
+    costs = cost_file(tmp_path, target=lambda R, T: 10.0 * (1 + (ratio - 1) * (T - 1) / 16))
     bundle = tiny_bundle(vocab=8, grid=4, seed=1, std=0.3)
-    engine = build_engine(bundle, engine_config("adt_tree", sampling=SAMPLING, total_tokens=6, chain=16))
+    engine = build_engine(bundle, engine_config("adt_tree", sampling=SAMPLING, total_tokens=6, chain=16, costs=costs))
     assert (engine.costs.target(16, 17) <= engine.cfg.chain_cost * engine.costs.target(16, 1)) == runs
     out = engine.generate(labels(8), range(100, 108))
     ref = vanilla(bundle, 8)
     assert [r.tokens.tolist() for r in out] == [r.tokens.tolist() for r in ref]
     chained = any((r.records["tree_width"] == 1).any() and (r.records["tree_depth"] > 6).any() for r in out)
     assert chained == runs
-
-
-def test_what_the_chain_learnt_is_kept_for_the_next_engine(tmp_path, monkeypatch):
-    monkeypatch.setenv("ARSPEC_CACHE", str(tmp_path))
-    monkeypatch.setattr(tree_module, "cost_table", lambda bundle, rows=(): table(lambda R, T: 10.0 + 0.01 * T))
-    bundle = tiny_bundle(vocab=8, grid=4, seed=1, std=0.3)
-    first = build_engine(bundle, engine_config("adt_tree", sampling=SAMPLING, total_tokens=6, chain=16))
-    st = first._start(2)
-    first.chain_budget.goodput(st.R).wait = 96
-    first.chain_budget.value[:] = 3.5
-    tree_module.keep_learnt(first.costs.key, first._learnt())
-    second = build_engine(bundle, engine_config("adt_tree", sampling=SAMPLING, total_tokens=6, chain=16))
-    second._start(2)
-    assert second.chain_budget.value.tolist() == [3.5] and second.chain_budget.goodput(st.R).wait == 96
-    assert second.budget.value.tolist() == first.budget.value.tolist()
 
 
 def test_width_holds_tree_steps_to_the_longest_row_but_not_chains(tmp_path, monkeypatch):
@@ -231,7 +213,7 @@ def test_width_holds_tree_steps_to_the_longest_row_but_not_chains(tmp_path, monk
     monkeypatch.setenv("ARSPEC_CACHE", str(tmp_path))
     bundle = tiny_bundle(vocab=8, grid=4, seed=1, std=0.3)
     ref = vanilla(bundle, 8)
-    engine = build_engine(bundle, engine_config("adt_tree", sampling=SAMPLING, total_tokens=6, chain=5))
+    engine = build_engine(bundle, engine_config("adt_tree", sampling=SAMPLING, total_tokens=6, chain=5, costs=COSTS))
     with_width(engine, 0.0)
     engine.chain_budget.costs = engine.costs
     mixed(engine, [1, 0], [0])                    # chain steps, and plain ones the width may hold
@@ -256,29 +238,30 @@ def test_width_holds_tree_steps_to_the_longest_row_but_not_chains(tmp_path, monk
 def test_the_engine_reports_each_chain_step_to_the_chain_budget(tmp_path, monkeypatch):
     """What the chain's goodput is made of: each chain step reports K = 1 and 1 + the drafts it accepted
     per unfinished row, both as the step's tokens and as what the chain is worth (v_1); and the chain
-    budget prices with the cost table measured for this batch."""
+    budget prices with the engine's cost table."""
     monkeypatch.setenv("ARSPEC_CACHE", str(tmp_path))
     bundle = tiny_bundle(vocab=8, grid=4, seed=1, std=0.3)
-    engine = build_engine(bundle, engine_config("adt_tree", sampling=SAMPLING, total_tokens=6, chain=5))
+    engine = build_engine(bundle, engine_config("adt_tree", sampling=SAMPLING, total_tokens=6, chain=5, costs=COSTS))
     mixed(engine, [1, 0], [0])
     verdicts, seen = [], []
     record, observe = engine._record, engine.chain_budget.observe
     engine._record = lambda log, tree, v, active, *a: verdicts.append((v.accepted.clone(), active.clone())) or \
         record(log, tree, v, active, *a)
-    engine.chain_budget.observe = lambda R, K, ms, fwd, tokens=1.0, by_rank=None, *a, **k: (
-        seen.append((K, tokens, None if by_rank is None else float(by_rank[0]))), observe(R, K, ms, fwd, tokens, by_rank, *a, **k))
+    engine.chain_budget.observe = lambda R, K, ms, tokens=1.0, by_rank=None, *a, **k: (
+        seen.append((K, tokens, None if by_rank is None else float(by_rank[0]))), observe(R, K, ms, tokens, by_rank, *a, **k))
     engine.generate(labels(6), range(100, 106))
     chain_seen = [s for s in seen if s[0] > 0]
     want = [1 + float(m[a].float().mean()) for m, a in verdicts]
     assert len(chain_seen) == len(want) > 5
     assert [t for _, t, _ in chain_seen] == pytest.approx(want) and [v for *_, v in chain_seen] == pytest.approx(
         [w - 1 for w in want])
-    assert engine.chain_budget.costs is engine.costs and 12 in engine.costs.rows      # 6 prompts, CFG
+    assert engine.chain_budget.costs is engine.costs
 
 
 @pytest.mark.parametrize("bad, message", [
     (dict(chain=-1), "engine.chain=-1"), (dict(chain_cost=0.0), "engine.chain_cost=0.0"),
-    (dict(total_tokens=0), "engine.total_tokens=0"), (dict(total_tokens=0, chain=0, budget="fixed"), "engine.total_tokens=0")])
+    (dict(total_tokens=0, chain=0), "engine.total_tokens=0"),
+    (dict(total_tokens=0, chain=0, budget="fixed"), "engine.total_tokens=0")])
 def test_bad_chain_settings_are_refused_in_one_line(bad, message):
     with pytest.raises(ValueError, match=message.replace(".", r"\.")):
         engine_config("adt_tree", **bad)

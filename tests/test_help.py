@@ -30,6 +30,7 @@ def test_help_lists_engines_and_models_with_a_line_each_and_hides_the_schema_gro
         assert len(line.split(None, 1)[1]) > 20, line
     pick = r.stdout[r.stdout.index("Which engine:"):]
     assert "engine=vanilla" in pick and "engine=sjd or engine=mc_sjd" in pick and "engine=eagle2" in pick
+    assert "engine=auto" in pick
 
 
 def one_error_line(r: subprocess.CompletedProcess) -> str:

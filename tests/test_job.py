@@ -186,7 +186,7 @@ def test_failing_prompts_become_error_rows(ray_cluster, tiny_weights, tmp_path):
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["engine=nope"], "engine=nope: no such engine; choose one of adt_tree, cspd, eagle2, mar, mc_sjd, sjd, vanilla"),
+    (["engine=nope"], "engine=nope: no such engine; choose one of adt_tree, auto, cspd, eagle2, mar, mc_sjd, sjd, vanilla"),
     (["engine.name=nope"], "engine.name='nope' is not an engine"),
     (["engine=eagle2", "engine.dmax=4"], "engine.dmax: Eagle2Config has no setting 'dmax'; its settings are"),
     (["engine=eagle2", "engine.d_max=4"], "engine.d_max: Eagle2Config has no setting 'd_max'"),   # adt_tree's key

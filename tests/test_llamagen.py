@@ -26,11 +26,11 @@ from decoding.models.drafter import Drafter, DrafterArgs
 from decoding.models.gpt import GPT, GPTArgs, causal_mask
 from decoding.models.vq import VQArgs, VQModel
 from decoding.registry import load_bundle
-from tests.conftest import REPO
+from tests.conftest import COSTS, REPO
 from tests.llamagen_layouts import (drafter_weights, gpt_weights, save, small_c2i, small_t2i, to_hf, vq_weights)
 
 FIXTURE = REPO / "tests" / "fixtures" / "llamagen_greedy.json"
-TREE = dict(total_tokens=8, depth=3, width=3)        # small trees: the 16-token images finish in a few steps
+TREE = dict(total_tokens=8, depth=3, width=3, costs=COSTS)   # small trees: the 16-token images finish in a few steps
 
 
 def one_line(e) -> str:

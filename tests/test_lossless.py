@@ -26,7 +26,7 @@ import decoding.engines.tree as tree_module
 from decoding.engines import build_engine, engine_config
 from decoding.engines.verify import Verdict
 from decoding.sampling import SamplingParams, cfg_combine, filtered_probs, sample
-from tests.conftest import labels, tiny_bundle
+from tests.conftest import COSTS, labels, tiny_bundle
 
 WORLDS = {
     "small": dict(bundle=dict(vocab=4, grid=2), sampling=dict(cfg_scale=2.5, temperature=1.0, top_k=3, top_p=1.0)),
@@ -48,6 +48,8 @@ ENGINES = {
                             budget="fixed"),
     # chain steps only: the drafter off, every step verifies the target's own draws of the step before
     "eagle2-chain": dict(total_tokens=0, chain=3, budget="fixed"),
+    # the job's default: plain, chain and tree steps as the tests' cost table prices them
+    "auto": dict(costs=COSTS),
 }
 
 
@@ -129,7 +131,7 @@ def test_the_test_rejects_a_wrong_acceptance_rule(monkeypatch, broken):
     assert pvalue < 1e-6
 
 
-@pytest.mark.parametrize("variant", [v for v in ENGINES if v != "vanilla"])
+@pytest.mark.parametrize("variant", [v for v in ENGINES if "total_tokens" in ENGINES[v]])
 def test_tree_engines_commit_vanillas_tokens(variant):
     """The deterministic check: exact acceptance commits the target's own draws with vanilla's uniforms,
     so every image is vanilla's, token for token (fp32; tiny model, 8 x 8 tokens, wide trees)."""

@@ -13,6 +13,7 @@ from decoding.engines.base import CachedModel, visible
 from decoding.models import packed
 from decoding.models.gpt import GPT, GPTArgs, causal_mask, rope_table_2d
 from decoding.models.packed import pack_linears
+from tests.conftest import COSTS
 from decoding.models.text import TextArgs, TextEncoder, build_vocab
 from decoding.models.vq import VQArgs, VQModel
 from decoding.sampling import NEUTRAL, SamplingParams, filtered_probs
@@ -181,7 +182,7 @@ def test_bf16_bundle_computes_what_the_fp32_one_does(tiny_weights):
         probs.append(logits.softmax(-1))
     assert (probs[0] - probs[1]).abs().max() < 0.05
     for name in ("vanilla", "eagle2"):  # the engines run end to end in bf16
-        tree = dict(total_tokens=6, depth=3, width=2) if name != "vanilla" else {}
+        tree = dict(total_tokens=6, depth=3, width=2, costs=COSTS) if name != "vanilla" else {}
         r = build_engine(b16, engine_config(name, sampling={"cfg_scale": 2.0}, **tree)).generate(
             b16.conditions(prompts), [1, 2])
         assert r[0].image.shape == (8, 8, 3) and len(r[1].tokens) == 16

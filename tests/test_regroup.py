@@ -13,7 +13,7 @@ import torch
 from decoding.engines import build_engine, engine_config
 from decoding.engines.base import CachedModel, Request, RequestQueue
 from decoding.engines.cost import measure
-from tests.conftest import labels, tiny_bundle
+from tests.conftest import COSTS, labels, tiny_bundle
 from tests.test_budget import SAMPLING, TREES, alternate
 from tests.test_chain import mixed
 
@@ -21,7 +21,7 @@ from tests.test_chain import mixed
 CASES = {"vanilla": ({}, None),
          "eagle2": (dict(TREES["eagle2"], budget="fixed", refill_wait=0), [0, 3, 0, 6, 8]),
          "adt_tree": (dict(TREES["adt_tree"], budget="fixed", refill_wait=0), [0, 3, 0, 6, 8]),
-         "adt_tree_chains": (dict(total_tokens=6, chain=5, refill_wait=0), None)}
+         "adt_tree_chains": (dict(total_tokens=6, chain=5, refill_wait=0, costs=COSTS), None)}
 
 
 def setup(case):

@@ -58,7 +58,7 @@ def test_scorer_reads_fresh_renders():
 
 def test_shipped_model_draws_what_the_caption_says():
     bundle = load_bundle(ShapesConfig(device="cpu", dtype="float32"))  # the same numbers on every CPU
-    engine = build_engine(bundle, engine_config("vanilla"))  # the job's default (CFG 1.5, the family's)
+    engine = build_engine(bundle, engine_config("vanilla"))  # the tokens of the job's default (engine=auto is exact)
     prompts = [r["prompt"] for r in builtin_prompts(16, seed=7)]
     res = engine.generate(bundle.conditions(prompts), [prompt_seed(0, p) for p in prompts])
     images = np.stack([r.image for r in res])

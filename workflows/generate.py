@@ -114,7 +114,7 @@ def check_out_dir(out_dir: Path, fp: dict) -> None:
 def validate(c: GenerateConfig) -> None:
     """Every check that needs no weights: settings, the engine against the model's checkpoint headers
     (decoding.registry.inspect_model). The model itself is loaded only in the actors."""
-    from decoding.engines import check_tokens, engine_class
+    from decoding.engines import check_engine
     from decoding.registry import family, inspect_model
     cl = c.cluster
     for key in ("num_actors", "batch_size"):
@@ -132,9 +132,8 @@ def validate(c: GenerateConfig) -> None:
     if cl.num_cpus_per_actor <= 0 and cl.num_gpus_per_actor <= 0:
         raise ConfigError("cluster.num_cpus_per_actor and cluster.num_gpus_per_actor are both 0: give actors a slot")
     try:
-        check_tokens(c.engine.name, family(c.model.name).tokens, c.model.name)
         info = inspect_model(c.model)
-        engine_class(c.engine.name).check(c.engine, has_drafter=info["drafter"] if info else True)
+        check_engine(c.engine, family(c.model.name).tokens, info["drafter"] if info else True, c.model.name)
     except (FileNotFoundError, ValueError) as e:
         raise ConfigError(str(e)) from None
     if info is None:

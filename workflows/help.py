@@ -14,8 +14,10 @@ CONF = Path(__file__).resolve().parent.parent / "conf"
 
 PICK = """\
 Which engine:
+  the default               engine=auto: adt_tree with chains where the model has a drafter, chains of the
+                            target's own draws where it has none, mar for continuous tokens; vanilla's tokens
   exact and simplest        engine=vanilla (the baseline every other engine is checked against)
-  no drafter for the model  engine=sjd or engine=mc_sjd (drafter-free, exact)
+  no drafter for the model  engine=auto, or engine=sjd or engine=mc_sjd (drafter-free Jacobi windows, exact)
   a drafter for the model   engine=eagle2 or engine=adt_tree (model=shapes ships one; LlamaGen: model.drafter_ckpt)
   continuous tokens         engine=mar (baseline) or engine=cspd (speculative), with model=mar
   CPU or GPU                the same engines; the device is model.device (auto: cuda when visible);
@@ -42,6 +44,8 @@ def _needs(name: str) -> str:
     e = ENGINES.get(name)
     if e is None:
         return ""
+    if name == "auto":
+        return "[any model] "
     if issubclass(e, ContinuousEngine):
         return "[continuous] "
     return "[drafter] " if e.uses_drafter else "[no drafter] "

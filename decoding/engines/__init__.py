@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import fields, is_dataclass
 
+from decoding.engines.auto import Auto
 from decoding.engines.base import Engine, EngineConfig, ImageResult
 from decoding.engines.cspd import CSpD
 from decoding.engines.mar import ContinuousEngine, Mar
@@ -12,7 +13,7 @@ from decoding.engines.tree import ADTTree, Eagle2
 from decoding.engines.vanilla import Vanilla
 from decoding.sampling import SamplingParams
 
-ENGINES: dict[str, type[Engine]] = {e.name: e for e in (Vanilla, Eagle2, ADTTree, SJD, MCSJD, Mar, CSpD)}
+ENGINES: dict[str, type] = {e.name: e for e in (Auto, Vanilla, Eagle2, ADTTree, SJD, MCSJD, Mar, CSpD)}
 
 
 def engine_class(name: str) -> type[Engine]:
@@ -40,12 +41,25 @@ def engine_config(name: str, **settings) -> EngineConfig:
 def check_tokens(name: str, tokens: str, model: str) -> None:
     """Engine `name` can serve a model whose tokens are `tokens` ("discrete" or "continuous"), or one
     ValueError line (the driver checks it from the model family, build_engine from the bundle)."""
+    if name == Auto.name:
+        return                                             # it picks an engine for either
     if tokens == "continuous" and not issubclass(engine_class(name), ContinuousEngine):
         raise ValueError(f"engine={name} samples discrete tokens and model {model!r} makes continuous ones: "
                          f"use engine=mar or engine=cspd, or a discrete model (model=shapes)")
     if tokens != "continuous" and issubclass(engine_class(name), ContinuousEngine):
         raise ValueError(f"engine {name!r} samples continuous tokens and model {model!r} is discrete: "
                          f"use model=mar (the continuous shapes models, or MAR checkpoints)")
+
+
+def check_engine(cfg: EngineConfig, tokens: str, has_drafter: bool, model: str) -> None:
+    """Every refusal of engine settings `cfg` for a model that needs no weights (the job's driver, from the
+    model family and the checkpoint headers), as one ValueError line."""
+    check_tokens(cfg.name, tokens, model)
+    cls = engine_class(cfg.name)
+    if cls is Auto:
+        cls.check(cfg, has_drafter, tokens)
+    else:
+        cls.check(cfg, has_drafter)
 
 
 def build_engine(bundle, cfg: EngineConfig) -> Engine:
@@ -56,5 +70,5 @@ def build_engine(bundle, cfg: EngineConfig) -> Engine:
     return engine_class(cfg.name)(bundle, cfg)
 
 
-__all__ = ["ENGINES", "Engine", "EngineConfig", "ImageResult", "SamplingParams", "build_engine", "check_tokens",
+__all__ = ["ENGINES", "Engine", "EngineConfig", "ImageResult", "SamplingParams", "build_engine", "check_engine", "check_tokens",
            "engine_class", "engine_config"]

@@ -221,7 +221,7 @@ class Engine:
     """
     name: ClassVar[str] = "base"
     Config: ClassVar[type] = EngineConfig
-    uses_drafter: ClassVar[bool] = False
+    uses_drafter: ClassVar[bool] = False   # drafts with the model's drafter (the help page's tag)
 
     @classmethod
     def check(cls, cfg: EngineConfig, has_drafter: bool) -> None:
@@ -230,9 +230,6 @@ class Engine:
             raise ValueError(f"engine.name={cfg.name!r} does not match the {type(cfg).__name__} settings: "
                              f"choose the engine with engine={cfg.name}, not engine.name=")
         cfg.validate()
-        if cls.uses_drafter and not has_drafter:
-            raise ValueError(f"engine {cls.name!r} needs a drafter, and the model has none: "
-                             f"train one (python -m workflows.train stages=[drafter]) or use engine=vanilla")
 
     def __init__(self, bundle: ModelBundle, cfg: EngineConfig):
         self.check(cfg, bundle.drafter is not None)

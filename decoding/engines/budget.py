@@ -9,18 +9,18 @@ The cost model proposes. For a step over R cache rows:
     tokens(K) = 1 + v_1 + ... + v_K per row        v_k: how often a row's k-th best node is accepted
     time(K)   = draft(K) + target(R, 1 + K) + overhead_spec          time(0) = target(R, 1) + overhead_plain
 
-with target() and drafter() from the measured cost table (cost.py), draft(K) the drafter forwards of a
-tree of depth <= K (plus the catch-up on what was committed since the drafter last ran), and the
-overheads (the step's work outside the forwards) learnt, per R, from the measured step times. `plan`
-takes the model's best K. After drafting, `choose` takes each row's actual nodes, valued by the
+with target(), drafter() and the overheads (a step's work outside its forwards, per R) from the cost
+table (cost.py: measured once per device and model, or given), draft(K) the drafter forwards of a tree
+of depth <= K (plus the catch-up on what was committed since the drafter last ran). `plan` takes the
+model's best K. After drafting, `choose` takes each row's actual nodes, valued by the
 drafter's own path probabilities (as EAGLE-2 ranks them) times a learnt calibration, and picks K <= plan
 to verify.
 
-Measured goodput disposes. A model built from a cost table, learnt acceptances and an additive overhead
-can be wrong by a factor (on a CPU at batch 4-16 it predicted a win where a speculative step cost 2.4x a
-plain one and committed 2 tokens): the engine must never pay for that error with throughput below
-vanilla's. So the budget also keeps, per R, what each kind of step actually achieved: committed tokens
-per unfinished row per ms, for plain steps and for speculative steps by the bucket of their plan (K = 1,
+Goodput disposes. The model's acceptances come from the steps that speculated, the easier ones, and lean
+optimistic: the engine must not pay for that error with throughput below vanilla's. So the budget also
+keeps, per R, what each kind of step actually achieved: committed tokens per unfinished row per ms of
+the step's price (the engine prices each step it took from the cost table, never from the clock, so
+that the same table and prompts give the same decisions on every run), for plain steps and for speculative steps by the bucket of their plan (K = 1,
 2, 3-4, 5-8, 9-16, ...). Per row, because every row of the cache is computed whether or not it is
 finished, so the ratio of the two kinds does not depend on how many rows are busy. The rule (`plan`):
 
@@ -48,7 +48,7 @@ plain stretch speaks for the image as it is now, and it is kept relative to the 
 was measured; the plain rate is the median of the last PLAIN_LAST plain steps. The floor then holds
 by measurement: speculation runs only where it was measured to beat the plain step, up to one probe
 per `wait` steps. Plain steps teach v_k nothing (they accept no drafts): v_k keeps its last measured
-value. `state`/`restore` carry what was learnt to the next engine on the device (cost.keep_learnt).
+value.
 """
 from __future__ import annotations
 
@@ -114,17 +114,6 @@ class Goodput:
     net: float = 0.0                             # plain steps speculation has gained in all (< 0: lost)
     recent: deque = field(default_factory=lambda: deque(maxlen=PLAIN_LAST))   # the last plain steps' rates
     ema: float = SPEC_EMA                        # a speculative bucket's EMA weight per step (CHAIN_EMA for chains)
-    overhead: dict = field(default_factory=lambda: {"spec": 0.0, "plain": 0.0})  # ms per step outside the forwards
-    samples: dict = field(default_factory=lambda: {"spec": 0, "plain": 0})       # steps the overheads came from
-
-    def learn_overhead(self, kind: str, ms: float) -> None:
-        """Per R, because the work outside the forwards (masks, selection, the K/V move) grows with the
-        rows: at batch 8 on a CPU it is 9-11 ms of a 30 ms speculative step, at batch 1 1-4 ms. The mean
-        of the first samples, then an EMA: an average that started from 0 took ten steps to learn it, and
-        the model meanwhile predicted 1.2-1.4x plain for steps that measured 0.5-0.9x."""
-        self.samples[kind] += 1
-        a = max(1 - EMA, 1 / self.samples[kind])
-        self.overhead[kind] = (1 - a) * self.overhead[kind] + a * ms
 
     def update(self, b: int, rate: float) -> None:
         """rate[0] is the plain step's tokens / row / ms (the median of the last PLAIN_LAST); rate[b > 0] a
@@ -185,11 +174,15 @@ class Budget:
             self._curve[key] = np.concatenate([[c.target(R, 1)], spec])
         return self._curve[key]
 
+    def overhead(self, R: int, plain: bool = False) -> float:
+        """ms of a step's work outside its forwards over R rows (the cost table's, per step kind)."""
+        return self.costs.overhead("plain" if plain else "chain" if self.chain else "spec", R)
+
     def _spec_rates(self, R: int, pending: int) -> tuple[np.ndarray, int]:
         """The cost model's expected tokens per row per ms for K = 1..max [max], and its best K. Kept
-        until the acceptance or the speculative overhead changes (only speculative steps change them):
-        numpy's few small ops cost 80 us a plan, 1% of a plain step at batch 8 on a CPU."""
-        o = self.goodput(R).overhead["spec"]
+        until the acceptance changes (only speculative steps change it): numpy's few small ops cost 80 us
+        a plan, 1% of a plain step at batch 8 on a CPU."""
+        o = self.overhead(R)
         token = (o, self.value.tobytes())
         hit = self._spec.get((R, pending))
         if hit is None or hit[0] != token:
@@ -199,7 +192,7 @@ class Budget:
 
     def _plain_rate(self, R: int, pending: int) -> float:
         """The cost model's expected tokens per row per ms of a plain step."""
-        return 1.0 / (float(self._forwards(R, pending)[0]) + self.goodput(R).overhead["plain"])
+        return 1.0 / (float(self._forwards(R, pending)[0]) + self.overhead(R, plain=True))
 
     def model_rates(self, R: int, pending: int) -> np.ndarray:
         """The cost model's expected tokens per row per ms for K = 0..max."""
@@ -295,16 +288,15 @@ class Budget:
         v = values[:, :plan].float().sum(0).cpu().numpy() * self.calibration     # Σ over rows of the k-th best
         prompts = int((values[:, 0] > 0).sum())
         gain = prompts + np.concatenate([[0.0], np.cumsum(v)])
-        c = self.costs
-        o = self.goodput(R).overhead["spec"]
+        c, o = self.costs, self.overhead(R)
         rate = [gain[K] / (drafted_ms + c.target(R, 1 + K) + o) for K in range(plan + 1)]
         return int(np.argmax(rate))
 
-    def observe(self, R: int, planned: int, step_ms: float, forward_ms: float, tokens_per_row: float = 1.0,
+    def observe(self, R: int, planned: int, step_ms: float, tokens_per_row: float = 1.0,
                 accepted_by_rank: np.ndarray | None = None, predicted: float = 0.0, accepted: float = 0.0,
                 catch_up_ms: float = 0.0, behind: float | None = None) -> None:
-        """A step planned with K = `planned` (0: plain) over R rows took step_ms, of which catch_up_ms were
-        the drafter's catch-up and, the model says, forward_ms the other forwards; it committed
+        """A step planned with K = `planned` (0: plain) over R rows cost step_ms by the cost table (the
+        engine's price of what it ran), of which catch_up_ms were the drafter's catch-up; it committed
         tokens_per_row per unfinished row. accepted_by_rank [K]: the mean acceptance of each rank's node
         over the rows; predicted / accepted: Σ of the verified nodes' path probabilities and the drafts
         accepted over the unfinished rows (the calibration).
@@ -319,16 +311,13 @@ class Budget:
           that runs ahead waits for it at the end of its image (tree.py `refill_wait`): traced at batch
           8, 18 speculative steps that moved the mean row by 2.3 tokens saved the batch 12 steps.
 
-        catch_up_ms: the drafter's catch-up in this step, timed. The overhead learnt is the step's time
-        outside it and the other forwards: a catch-up after a long plain stretch is not a step's usual
-        work (the model prices it from the cost table). A probe's run ends at once when the step is too
+        catch_up_ms: the drafter's catch-up in this step. A probe's run ends at once when the step is too
         slow to beat a plain step even without it: the run is there to spread the catch-up on the plain
         stretch before it, and nothing else in a step gets cheaper with the run (at batch 8-16 on a CPU
         the rest of a speculative step costs 2-3 plain steps)."""
         if self.fixed:
             return
         g = self.goodput(R)
-        g.learn_overhead("spec" if planned > 0 else "plain", max(step_ms - catch_up_ms - forward_ms, 0.0))
         worth = tokens_per_row if behind is None else 1 + self.calibration * behind
         b, rate = bucket(planned), worth / max(step_ms, 1e-6)
         if b > 0 and 0 in g.rate and not g.probing and rate >= MARGIN * g.rate[0]:
@@ -353,31 +342,6 @@ class Budget:
             self.value[k:] = np.minimum(self.value[k:], self.value[k - 1])  # a rank never beats the one above
         if predicted > 0:
             self.calibration = EMA * self.calibration + (1 - EMA) * min(accepted / predicted, 2.0)
-
-    def state(self) -> dict:
-        """What was learnt, for the next engine on this device and model (cost.keep_learnt): acceptance,
-        calibration and, per R, the measured rates, the step overheads, the net gain and the probe
-        back-off. A new actor then starts where the last one ended instead of paying again for the probes
-        that taught it."""
-        return {"value": self.value.tolist(), "calibration": self.calibration,
-                "measured": {str(R): {"rate": {str(b): r for b, r in g.rate.items()}, "wait": g.wait, "net": g.net,
-                                      "overhead": dict(g.overhead), "samples": dict(g.samples)}
-                             for R, g in self.measured.items()}}
-
-    def restore(self, state: dict | None) -> None:
-        """Start from `state` (Budget.state of an earlier engine). The plain rate is measured again first
-        (FLOOR_SAMPLES steps), and each probe still tests the image at hand."""
-        if not state or len(state.get("value", [])) != self.max:
-            return
-        self.value, self.calibration = np.array(state["value"], float), float(state["calibration"])
-        for R, g in state["measured"].items():
-            rate = {int(b): float(r) for b, r in g["rate"].items()}
-            self.measured[int(R)] = Goodput(rate=rate, seen={b: 0 for b in rate}, ema=CHAIN_EMA if self.chain else SPEC_EMA,
-                                            wait=min(max(int(g["wait"]), PROBE_MIN), PROBE_MAX),
-                                            net=float(g.get("net", 0.0)))
-            if "overhead" in g:                                # (state kept before overheads were per R: none)
-                self.measured[int(R)].overhead = {k: float(v) for k, v in g["overhead"].items()}
-                self.measured[int(R)].samples = {k: int(v) for k, v in g["samples"].items()}
 
     def ceiling(self, R: int) -> float:
         """What this device allows: the best speedup over a plain step any tree of <= max nodes could give

@@ -1,8 +1,10 @@
-"""What a forward costs on this device: the target's and the drafter's milliseconds per forward as a
-function of rows x tokens per row, measured once per (device, model, rows) and cached on disk
+"""What a step costs on this device: the target's and the drafter's milliseconds per forward as a
+function of rows x tokens per row, and each kind of step's work outside its forwards (`overhead_ms`),
+measured once per (device, model, rows) and cached on disk, or given (`engine.costs=PATH`)
 (docs/design.md, "Budgets"). An engine asks for the one row count it runs (2 x slots with CFG) when it
-starts a batch: a fraction of a second, not the whole grid. The tree engines' budget controller reads
-it to decide how many draft tokens a step should verify, if any.
+starts a batch: a second or two, not the whole grid. The tree engines' budgets price every step from
+this table and never from the clock, so that the same table gives the same decisions, and the same
+bytes, on every run.
 
 A table, not a formula: on a CPU the cost of T tokens grows with T from the first token (compute
 bound, more so in fp32), on a GPU it is flat until the device fills; either way the measured grid says
@@ -15,12 +17,14 @@ later step of the batch dearer, and the tree engines weigh that (tree.py, `_room
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import logging
 import os
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -28,7 +32,7 @@ import torch
 
 log = logging.getLogger("arspec.cost")
 
-VERSION = 3     # of what a table holds and of the code it measures: a new version measures again
+VERSION = 4     # of what a table holds and of the code it measures: a new version measures again
 ROWS = (2, 4, 8, 16, 32)
 TOKENS = (1, 2, 4, 8, 16, 32)
 
@@ -41,12 +45,17 @@ class CostTable:
     drafter_ms: list
     key: str = ""
     width_ms: list = field(default_factory=list)   # [len(rows)]: target ms per slot of attention width
+    # step kind (plain, spec, chain) -> [len(rows)]: ms of a step's work outside its forwards (masks,
+    # sampling, selection, the K/V move); measured by running real steps (the engine's `calibrate`)
+    overhead_ms: dict = field(default_factory=dict)
 
     def __post_init__(self):
         # (table, R, T) -> ms: a plain step asks the same few costs every step, and interpolating them
         # each time cost 1-2% of a step at batch 4 (a table is frozen, so an answer never goes stale)
         object.__setattr__(self, "_memo", {})
         object.__setattr__(self, "_widths", [[w] * len(self.tokens) for w in self.width_ms])
+        object.__setattr__(self, "_overheads", {k: [[v] * len(self.tokens) for v in line]
+                                                for k, line in self.overhead_ms.items() if len(line) == len(self.rows)})
 
     def _at(self, table, R: float, T: float) -> float:
         key = (id(table), R, T)
@@ -75,11 +84,18 @@ class CostTable:
         """ms one more slot of attention width adds to a target forward over R rows (one token each)."""
         return max(self._at(self._widths, R, 1), 0.0)
 
+    def overhead(self, kind: str, R: float) -> float:
+        """ms of a `kind` step's work outside its forwards over R rows (0 where the table has none)."""
+        table = self._overheads.get(kind)
+        return max(self._at(table, R, 1), 0.0) if table else 0.0
+
     def summary(self) -> str:
         line = lambda name, t: f"{name} ms " + "; ".join(  # noqa: E731
             f"R={r}: " + " ".join(f"{v:.2f}" for v in row) for r, row in zip(self.rows, t))
         return (f"T={self.tokens} | " + line("target", self.target_ms) + " | " + line("drafter", self.drafter_ms)
-                + " | target ms per width slot " + " ".join(f"R={r}: {w:.4f}" for r, w in zip(self.rows, self.width_ms)))
+                + " | target ms per width slot " + " ".join(f"R={r}: {w:.4f}" for r, w in zip(self.rows, self.width_ms))
+                + "".join(f" | {k} overhead ms " + " ".join(f"R={r}: {v:.2f}" for r, v in zip(self.rows, line))
+                          for k, line in sorted(self.overhead_ms.items())))
 
 
 def cache_key(bundle) -> str:
@@ -91,8 +107,8 @@ def cache_key(bundle) -> str:
 
 
 @torch.inference_mode()
-def measure(bundle, rows=ROWS, tokens=TOKENS, reps: int = 3) -> CostTable:
-    """Median ms per forward over a grid of (rows, tokens), after a committed prefix as long as the
+def measure(bundle, rows=ROWS, tokens=TOKENS, reps: int = 5) -> CostTable:
+    """Least ms per forward over a grid of (rows, tokens), after a committed prefix as long as the
     condition and half an image (the average position of a step)."""
     from decoding.engines.base import caches_kept
     with caches_kept(bundle.gpt, bundle.drafter):
@@ -122,11 +138,24 @@ def _measure(bundle, rows, tokens, reps: int) -> CostTable:
                 pos = slots.clamp(max=last)
                 call = (lambda: m.logits(m.forward_embeds(h, pos, mask, slots))) if name == "target" else \
                     (lambda: bundle.gpt.logits(m(h, h, pos, mask, slots)))
-                line.append(round(_median_ms(call, dev, reps), 4))
-            grid.append(line)
+                line.append(_least_ms(call, dev, reps))
+            grid.append([round(x, 4) for x in nondecreasing(line)])
         out[name] = grid
     return CostTable(list(rows), list(tokens), out["target"], out["drafter"],
                      width_ms=[_width_ms(bundle, R, reps) for R in rows])
+
+
+def nondecreasing(xs: list) -> list:
+    """The closest non-decreasing sequence to xs (least squares: pooled adjacent violators). More tokens
+    per row never cost less; a measured dip is another process's work on the host."""
+    blocks: list = []                                  # [sum, count] of pooled runs
+    for x in xs:
+        blocks.append([float(x), 1])
+        while len(blocks) > 1 and blocks[-2][0] * blocks[-1][1] > blocks[-1][0] * blocks[-2][1]:
+            total, n = blocks.pop()
+            blocks[-1][0] += total
+            blocks[-1][1] += n
+    return [total / n for total, n in blocks for _ in range(n)]
 
 
 def _width_ms(bundle, R: int, reps: int) -> float:
@@ -143,14 +172,15 @@ def _width_ms(bundle, R: int, reps: int) -> float:
     for prefix in (lo, hi):
         slots = torch.full((R, 1), prefix, device=dev)
         mask = visible(cache.valid, slots[..., None])
-        ms.append(_median_ms(lambda: m.logits(m.forward_embeds(h, slots, mask, slots)), dev, reps))
+        ms.append(_least_ms(lambda: m.logits(m.forward_embeds(h, slots, mask, slots)), dev, reps))
     return round(max(ms[1] - ms[0], 0.0) / (hi - lo), 6)
 
 
-def _median_ms(call, dev: torch.device, reps: int) -> float:
-    """Median ms of `reps` calls after one warm-up (synchronised on a GPU)."""
+def _least_ms(call, dev: torch.device, reps: int) -> float:
+    """The least ms of `reps` calls after two warm-ups (synchronised on a GPU): other work on the host
+    only ever adds time, and a table is kept for good, so one slow call must not decide it."""
     times = []
-    for _ in range(reps + 1):
+    for _ in range(reps + 2):
         if dev.type == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -158,35 +188,87 @@ def _median_ms(call, dev: torch.device, reps: int) -> float:
         if dev.type == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
-    return 1000 * float(np.median(times[1:]))
+    return 1000 * float(min(times[2:]))
 
 
-def cost_table(bundle, rows=ROWS, cache_dir: str | None = None) -> CostTable:
+def cost_table(bundle, rows=ROWS, cache_dir: str | None = None, calibrate=None) -> CostTable:
     """The cost table of this bundle on its device for at least `rows` (R values): what the cache holds,
-    plus the missing rows measured now (a fraction of a second each) and added to the cache. `cache_dir`
-    (default $ARSPEC_CACHE or ~/.cache/arspec) holds one JSON file per key. rows=() only reads the cache."""
+    plus the missing rows measured now and added to the cache. `calibrate(R, forwards)` -> {kind: ms}:
+    the step overheads over R rows, given the forward costs just measured (the engine times real steps;
+    None: no overheads). `cache_dir` (default $ARSPEC_CACHE or
+    ~/.cache/arspec) holds one JSON file per key. rows=() only reads the cache.
+
+    A row the cache gained while this one was measured (another actor on the same device) wins over
+    this measurement, so that every engine on a device decides from the same numbers."""
     key = cache_key(bundle)
     path = _cache_file(key, cache_dir)
-    table = CostTable([], list(TOKENS), [], [], key)
-    if path.exists():
-        try:
-            cached = CostTable(**json.loads(path.read_text()))
-            if cached.tokens == table.tokens and len(cached.width_ms) == len(cached.rows):
-                table = cached
-        except (ValueError, TypeError):
-            pass                                                      # a damaged cache file: measure again
+    table = _read(path, key)
     missing = sorted({int(r) for r in rows} - set(table.rows))
     if not missing:
         return table
     t0 = time.perf_counter()
     new = measure(bundle, rows=missing)
-    lines = sorted([*zip(table.rows, table.target_ms, table.drafter_ms, table.width_ms),
-                    *zip(new.rows, new.target_ms, new.drafter_ms, new.width_ms)])
-    table = CostTable([x[0] for x in lines], list(TOKENS), [x[1] for x in lines], [x[2] for x in lines], key,
-                      [x[3] for x in lines])
+    over = [calibrate(R, new) if calibrate else {} for R in new.rows]
+    new = replace(new, key=key, overhead_ms={k: [o.get(k, 0.0) for o in over] for k in sorted({*over[0]})})
+    with _locked(path):
+        table = _merged(_read(path, key), new)
+        _write(path, asdict(table))
     log.info(f"[cost] measured R={missing} in {time.perf_counter() - t0:.1f}s: {table.summary()}")
-    _write(path, asdict(table))
     return table
+
+
+def given(path: str) -> CostTable:
+    """A cost table from a file (`engine.costs=PATH`: a table this module wrote, or one written by hand
+    in the same JSON): the engine then measures nothing, and two runs decide alike on any machine."""
+    try:
+        t = CostTable(**json.loads(Path(path).read_text()))
+    except FileNotFoundError:
+        raise ValueError(f"engine.costs={path}: no such file (give a cost table JSON, or leave it empty to "
+                         f"measure one)") from None
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"engine.costs={path}: not a cost table ({e}); see decoding/engines/cost.py "
+                         f"CostTable for its fields") from None
+    shape = len(t.rows), len(t.tokens)
+    if not t.rows or any(len(g) != shape[0] or any(len(x) != shape[1] for x in g) for g in (t.target_ms, t.drafter_ms)):
+        raise ValueError(f"engine.costs={path}: target_ms and drafter_ms must be [rows][tokens] = "
+                         f"[{shape[0]}][{shape[1]}]")
+    return t
+
+
+def _read(path: Path, key: str) -> CostTable:
+    """The cached table at `path`, or an empty one (none yet, damaged, or of another layout)."""
+    try:
+        t = CostTable(**json.loads(path.read_text()))
+        if t.tokens == list(TOKENS) and len(t.width_ms) == len(t.rows):
+            return t
+    except (OSError, ValueError, TypeError):
+        pass                                                          # none, or damaged: measure again
+    return CostTable([], list(TOKENS), [], [], key)
+
+
+def _merged(old: CostTable, new: CostTable) -> CostTable:
+    """old's rows, and new's rows that old has not."""
+    kinds = sorted({*old.overhead_ms, *new.overhead_ms})
+    line = lambda t, i: (t.rows[i], t.target_ms[i], t.drafter_ms[i], t.width_ms[i],  # noqa: E731
+                         [(t.overhead_ms.get(k) or [0.0] * len(t.rows))[i] for k in kinds])
+    lines = sorted([line(old, i) for i in range(len(old.rows))] +
+                   [line(new, i) for i in range(len(new.rows)) if new.rows[i] not in old.rows])
+    return CostTable([x[0] for x in lines], list(TOKENS), [x[1] for x in lines], [x[2] for x in lines], new.key,
+                     [x[3] for x in lines], {k: [x[4][j] for x in lines] for j, k in enumerate(kinds)})
+
+
+@contextlib.contextmanager
+def _locked(path: Path):
+    """An exclusive lock on path's folder's lock file (actors of one machine measuring at once)."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        f = open(path.parent / ".lock", "a")
+    except OSError:                                                   # a read-only home: no cache, no lock
+        yield
+        return
+    with f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        yield
 
 
 def _cache_file(key: str, cache_dir: str | None, kind: str = "") -> Path:
@@ -203,16 +285,3 @@ def _write(path: Path, data: dict) -> None:
         tmp.replace(path)
     except OSError as e:                                              # a read-only home: keep it in memory
         log.warning(f"[cost] cannot cache {path.name} in {path.parent}: {e}")
-
-
-def learnt(key: str, cache_dir: str | None = None) -> dict | None:
-    """What the last engine on this device and model (CostTable.key) learnt (Budget.state), or None."""
-    path = _cache_file(key, cache_dir, "budget")
-    try:
-        return json.loads(path.read_text()) if path.exists() else None
-    except ValueError:
-        return None                                                   # damaged: learn again
-
-
-def keep_learnt(key: str, state: dict, cache_dir: str | None = None) -> None:
-    _write(_cache_file(key, cache_dir, "budget"), state)

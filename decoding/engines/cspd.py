@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from decoding.engines.continuous import log_accept_ratio, residual_sample
-from decoding.engines.log import TokenLog
+from decoding.engines.log import Proposer, TokenLog
 from decoding.engines.mar import RESAMPLE, ContinuousEngine, MarEngineConfig
 from decoding.sampling import ACCEPT, NOISE
 
@@ -129,6 +129,7 @@ class CSpD(ContinuousEngine):
                 m = end - done
                 step = torch.tensor([k for k in window for _ in range(counts[k])], device=dev).expand(B, -1)
                 log.commit(torch.full((B,), m, device=dev), cell=pos, step=step, accepted=accepted, accept_len=m,
+                           proposer=Proposer.DRAFT_MODEL,
                            log_accept_ratio=log_r, window_pos=step - window[0], fallback=fell_back)
                 fallbacks += fell_back.sum()
             done = end

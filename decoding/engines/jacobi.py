@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import torch
 
 from decoding.engines.base import CachedModel, Engine, EngineConfig, parked, visible
-from decoding.engines.log import TokenLog
+from decoding.engines.log import Proposer, TokenLog
 from decoding.sampling import ACCEPT, GUMBEL, JACOBI, SAMPLE, Streams, sample
 
 RESIDUAL_FLOOR = 1e-6   # a residual max(p - q, 0) with less mass than this is rounding: draw from p
@@ -144,7 +144,7 @@ class Jacobi(Engine):
                 is_draft = lanes < m[:, None]
                 out = torch.where(is_draft, torch.cat([tok, fix[:, W:]], 1), fix)  # lanes <= m: committed
                 nan = torch.full_like(p[:, :1, 0], float("nan"))
-                log.commit(count, token_id=out, accepted=is_draft, step=step, accept_len=count,
+                log.commit(count, token_id=out, accepted=is_draft, step=step, accept_len=count, proposer=Proposer.JACOBI,
                            p_target=p.gather(2, out[..., None])[..., 0],
                            q_draft=torch.where(is_draft, torch.cat([q.gather(2, tok[..., None])[..., 0], nan], 1), nan))
                 log.target_forwards += active.long()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
+from enum import IntEnum
 from typing import Optional
 
 import numpy as np
@@ -35,6 +36,8 @@ STORED = (
     Column("tree_depth", "int32", 0, "depth of the draft tree of its step"),
     Column("tree_width", "int32", 0, "per-level width of the draft tree of its step"),
     Column("budget", "int32", 0, "draft nodes per row its step verified (0: a plain step)"),
+    Column("proposer", "int8", 0, "what drafted its step: 0 nothing (a plain step, the target alone), 1 a chain "
+           "of the target's own draws, 2 the drafter's tree, 3 a Jacobi window, 4 a draft model (cspd)"),
     Column("log_accept_ratio", "float32", np.nan, "log r of the continuous acceptance test (cspd drafts)"),
     Column("window_pos", "int32", -1, "AR step of the token within its draft window (cspd; -1: target-made)"),
     Column("fallback", "bool", 0, "cspd: the residual sampler ran out of tries, the target's own sample was used"),
@@ -47,6 +50,11 @@ TOKEN_COLUMNS = (
     Column("col", "int32", 0, "grid column of the token's cell"),
     *(c for c in STORED if c.name != "cell"),
 )
+
+
+class Proposer(IntEnum):
+    """The proposer column's codes."""
+    PLAIN, CHAIN, TREE, JACOBI, DRAFT_MODEL = range(5)
 
 
 class TokenLog:

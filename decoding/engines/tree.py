@@ -34,16 +34,16 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-from decoding.engines.base import CachedModel, EngineConfig, SlotEngine, parked, visible
+from decoding.bundle import Conditions
+from decoding.engines.base import CachedModel, EngineConfig, SlotEngine, caches_kept, parked, visible
 from decoding.engines.budget import Budget
-from decoding.engines.cost import cost_table, keep_learnt, learnt
-from decoding.engines.log import TokenLog
+from decoding.engines.cost import CostTable, cost_table, given
+from decoding.engines.log import Proposer, TokenLog
 from decoding.engines.policy import AdjacencyAdaptive, FixedShape
 from decoding.engines.verify import Lantern, Tree, codebook_neighbours, draws, node_keys, verify
 from decoding.sampling import Streams, sample
 
 NEG = float("-inf")
-KEEP_EVERY = 256     # steps between writes of what the budget learnt (cost.keep_learnt)
 CATCH_UP_MAX = 32    # pairs a catch-up feeds the drafter at most (see _catch_up)
 
 
@@ -78,8 +78,11 @@ class TreeConfig(EngineConfig):
     # made chains win there (1.08x), so it no longer has to keep chains from a batch size.
     chain_cost: float = 4.0
     # auto: each step verifies the number of nodes (0 = a plain step) that maximises expected tokens per
-    # second for the batch, from the device's measured forward costs (budget.py); fixed: total_tokens.
+    # second for the batch, from the device's cost table (budget.py); fixed: total_tokens.
     budget: str = "auto"
+    # A cost table to decide from (JSON, as cost.py caches them under ~/.cache/arspec/costs) instead of
+    # the one measured once on this device: then nothing is measured, and runs on any machine decide alike.
+    costs: str = ""
     depth: int = 6                        # levels drafted (adt_tree: the initial depth)
     width: int = 4                        # per-level top-k (adt_tree: the initial width)
     acceptance: str = "exact"             # exact (lossless) | lantern (relaxed, TVD <= lantern_delta per token)
@@ -103,9 +106,9 @@ class TreeConfig(EngineConfig):
             raise ValueError(f"engine.chain={self.chain}: must be >= 0 (0: no chain steps)")
         if self.chain_cost <= 0:
             raise ValueError(f"engine.chain_cost={self.chain_cost}: must be > 0 (plain steps a chain step may cost)")
-        if self.total_tokens < (0 if self.budget == "fixed" and self.chain else 1):
-            raise ValueError(f"engine.total_tokens={self.total_tokens}: must be >= 1 (0, the drafter off, only with "
-                             f"engine.budget=fixed and engine.chain >= 1)")
+        if self.total_tokens < (0 if self.chain else 1):
+            raise ValueError(f"engine.total_tokens={self.total_tokens}: must be >= 1 (0, no drafter trees, only with "
+                             f"engine.chain >= 1)")
 
 
 @dataclass
@@ -140,27 +143,31 @@ class ADTTreeConfig(TreeConfig):
 
 
 class TreeEngine(SlotEngine):
-    uses_drafter = True
+    uses_drafter = True                    # its trees; with total_tokens=0 it runs chains alone, without one
     carried = ("step", "pending")          # the step clock (the log's step column) and the drafter's lag
+
+    @classmethod
+    def check(cls, cfg: TreeConfig, has_drafter: bool) -> None:
+        super().check(cfg, has_drafter)
+        if cfg.total_tokens > 0 and not has_drafter:
+            raise ValueError(f"engine {cls.name!r} drafts trees with a drafter, and the model has none: train one "
+                             f"(python -m workflows.train stages=[drafter]), or set engine.total_tokens=0 (chains "
+                             f"of the target's own draws, no drafter), or use engine=auto")
 
     def __init__(self, bundle, cfg: TreeConfig):
         super().__init__(bundle, cfg)
-        self.drafter = bundle.drafter
+        self.trees = cfg.total_tokens > 0       # drafter trees; else chain and plain steps only, no drafter
+        self.drafter = bundle.drafter if self.trees else None
         self.lantern = None
         if cfg.acceptance == "lantern":
             self.lantern = Lantern(codebook_neighbours(bundle.vq.quantize.codebook().detach(), cfg.lantern_k)
                                    .to(self.device), cfg.lantern_delta)
-        self.costs = cost_table(bundle, rows=()) if cfg.budget == "auto" else None   # rows: on _start
+        self.costs = None if cfg.budget == "fixed" else given(cfg.costs) if cfg.costs else \
+            cost_table(bundle, rows=())                                     # measured rows: on _start
         self.budget = Budget(self.costs, cfg.total_tokens, self.max_shape()[1])
         # chain steps: chosen by their own budget (auto), or every step where the drafter is off (fixed)
         self.chain_budget = Budget(self.costs, 0, 1, chain=cfg.chain) \
             if cfg.chain and (cfg.budget == "auto" or cfg.total_tokens == 0) else None
-        # The budget's step clock. On a CPU, the engine thread's CPU time: the time the step's work took,
-        # without the time the thread waited for a core (other actors, Ray's own processes), which
-        # made steps of either kind look fast or slow at random. Torch's worker threads run in step
-        # with this one, so it still reads as wall time on an idle machine.
-        # On a GPU, wall time: the step reads results back, so the clock includes the kernels.
-        self.clock = time.thread_time if self.device.type == "cpu" else time.perf_counter
 
     def refill_wait(self) -> int:
         return self.cfg.refill_wait
@@ -178,16 +185,16 @@ class TreeEngine(SlotEngine):
 
     # -- a continuous batch -----------------------------------------------------------------------------
     def _start(self, slots: int):
+        R = 2 * slots if self.sampling.use_cfg else slots
+        if self.costs is not None and not self.cfg.costs and R not in self.costs.rows:   # measure this R once
+            self.costs = cost_table(self.bundle, rows=(R,), calibrate=self.calibrate)
+            for b in (self.budget, self.chain_budget):
+                if b is not None:
+                    b.costs = self.costs
+        return self._state(slots)
+
+    def _state(self, slots: int):
         R, L, N, dev = (2 * slots if self.sampling.use_cfg else slots), self.L, self.N, self.device
-        if self.costs is not None and R not in self.costs.rows:          # this batch's row count: measure it
-            self.costs = self.budget.costs = cost_table(self.bundle, rows=(R,))
-            if self.chain_budget is not None:
-                self.chain_budget.costs = self.costs
-        if self.costs is not None and not self.budget.measured:          # start from what the last engine learnt
-            state = learnt(self.costs.key) or {}
-            self.budget.restore(state)
-            if self.chain_budget is not None:
-                self.chain_budget.restore(state.get("chain"))
         d_max, w_max = self.max_shape()
         log = TokenLog(slots, N, self.G, dev)
         log.n[:] = N                                                       # empty slots are finished rows
@@ -196,7 +203,8 @@ class TreeEngine(SlotEngine):
             slots=slots, R=R, log=log, streams=streams, keys=draws(streams, N), policy=self.policy(slots), step=0,
             target=CachedModel(self.gpt, R, L + N + max(self.cfg.total_tokens, self.cfg.chain) + 1, self.bundle.dtype),
             # scratch for a tree's levels: the budget caps a tree's depth at total_tokens, whatever d_max
-            draft=CachedModel(self.drafter, R, L + N + min(d_max, self.cfg.total_tokens) * w_max + 1, self.bundle.dtype),
+            draft=CachedModel(self.drafter, R, L + N + min(d_max, self.cfg.total_tokens) * w_max + 1, self.bundle.dtype)
+            if self.trees else None,
             feats=torch.zeros(R, N + 1, self.gpt.args.dim, dtype=self.bundle.dtype, device=dev),  # per token
             dfeat=torch.zeros(R, self.gpt.args.dim, dtype=self.bundle.dtype, device=dev),
             dn=torch.zeros(slots, dtype=torch.long, device=dev),          # (feature, next token) pairs drafted on
@@ -208,11 +216,11 @@ class TreeEngine(SlotEngine):
             chain_at=torch.zeros(slots, dtype=torch.long, device=dev),
             pending=0,                                                     # most pairs a row's drafter lags by
             quiet=0,                                                       # plain steps left that need no budget
-            budgets=[self.budget] + ([self.chain_budget] if self._chains_pay(R) else []))
+            budgets=([self.budget] if self.trees else []) + ([self.chain_budget] if self._chains_pay(R) else []))
 
     def _admit(self, st, rows, cond, seeds):
         """Prefill new prompts, draw their first token, run the drafter over their condition prefix."""
-        L, log = self.L, st.log
+        log = st.log
         log.reset(rows)
         st.streams.reseed(rows, seeds)
         st.keys[rows] = draws(st.streams, self.N)[rows]
@@ -228,6 +236,13 @@ class TreeEngine(SlotEngine):
         log.commit(new, token_id=full(x0), accept_len=1, p_target=full(p0.gather(1, x0[:, None])[:, 0]))
         log.target_forwards += new
         st.chain_ok[rows], st.chain_at[rows] = False, 0                    # nothing drawn for the new image yet
+        if self.trees:
+            self._draft_prefix(st, rows, feats, cond_emb, x0)
+
+    def _draft_prefix(self, st, rows, feats, cond_emb, x0) -> None:
+        """The drafter over new prompts' condition prefix."""
+        L, log = self.L, st.log
+        new = torch.zeros(st.slots, dtype=torch.long, device=self.device).index_fill(0, rows, 1)
         # drafter over the prefix: pairs (f_p, e_{p+1}) for p < L, e_L = emb(t_0); its last output drafts t_1
         r = self.cache_rows(rows, st.slots)
         nxt = torch.cat([cond_emb[:, 1:], self.gpt.embed_tokens(self.rows(x0))[:, None]], 1)
@@ -247,39 +262,126 @@ class TreeEngine(SlotEngine):
         over rows) is kept on the host. The one exception is `_room` on a device where attention width
         costs more than a token saves (a CPU at batch 8 and up): it reads the longest and the shortest
         row, two scalars; it holds tree steps only, not chains (a chain step commits several tokens for the
-        width it adds: at batch 8 on a CPU, chains held to the longest row gave 1.03x vanilla, free ones
-        1.22x, 32 prompts in the stream). Where the budgets know the next steps are plain (Budget.quiet:
-        speculation has only lost here, and the next probe is not due), they skip it all."""
-        t0 = self.clock()
+        width it adds). Where the budgets know the next steps are plain (Budget.quiet: speculation has
+        only lost here, and the next probe is not due), they skip it all.
+
+        No decision reads the clock: the budgets learn what each step committed, priced by the cost table
+        (`_priced`), so the same table and the same prompts give the same steps and the same bytes."""
         active = st.log.n < self.N
         quiet, room, chain, plan = st.quiet > 0, None, 0, 0
-        if quiet:                                  # certain to be plain (Budget.quiet): nothing to plan or measure
+        if quiet:                                  # certain to be plain (Budget.quiet): nothing to plan or learn
             st.quiet -= 1
             self._hold(st)
         else:
             confidence = lambda: self._confidence(st, active)          # noqa: E731
-            chain = self.chain_budget.plan(st.R, 0, confidence) if len(st.budgets) > 1 else 0
-            if chain:
+            chain = self.chain_budget.plan(st.R, 0, confidence) if self.chain_budget in st.budgets else 0
+            if chain or not self.trees:
                 self.budget.hold(st.R)
             else:
                 room, may = self._room(st)
                 plan = min(self.budget.plan(st.R, st.pending, confidence), self.N) if may else self.budget.hold(st.R)
         st.step += 1
         if chain:
-            self._chain_step(st, active, chain, t0)
+            seen = self._chain_step(st, active, chain)
+            if self.costs is not None and seen is not None:
+                step_ms = self._priced(st.R, "chain", seen)
+                self.chain_budget.observe(st.R, chain, step_ms, 1 + seen.drafts, np.array([seen.drafts]))
         elif plan == 0:
             self._plain_step(st, active)
             st.pending = min(st.pending + 1, CATCH_UP_MAX)
             if self.costs is not None and not quiet:
-                ms, forward_ms = 1000 * (self.clock() - t0), self.costs.target(st.R, 1)
+                step_ms = self._priced(st.R, "plain", None)
                 for b in st.budgets:
-                    b.observe(st.R, 0, ms, forward_ms)
+                    b.observe(st.R, 0, step_ms)
                 if st.pending == CATCH_UP_MAX:         # (until then the catch-up's cost, and the plan, change)
-                    st.quiet = min(b.quiet(st.R, st.pending) for b in st.budgets)
+                    st.quiet = min((b.quiet(st.R, st.pending) for b in st.budgets), default=self.N)
         else:
-            self._spec_step(st, active, plan, t0, room)
-        if self.costs is not None and st.step % KEEP_EVERY == 0:
-            keep_learnt(self.costs.key, self._learnt())
+            seen = self._spec_step(st, active, plan, room)
+            if self.costs is not None:
+                self.budget.observe(st.R, plan, self._priced(st.R, "spec", seen), seen.tokens, seen.by_rank,
+                                    seen.predicted, seen.accepted, catch_up_ms=seen.catch_up_ms, behind=seen.behind)
+
+    def _priced(self, R: int, kind: str, seen) -> float:
+        """ms of a step of `kind` over R rows by the cost table: its forwards, and the work outside them
+        (CostTable.overhead). What the budgets learn a step cost, in place of the clock."""
+        c = self.costs
+        if kind == "plain":
+            forward = c.target(R, 1)
+        elif kind == "chain":
+            forward = c.target(R, 1 + self.cfg.chain)
+        else:
+            forward = seen.drafting_ms + c.target(R, 1 + seen.K)
+        return forward + c.overhead(kind, R)
+
+    def _drafting_ms(self, R: int, catch_up: int, levels: int, width: int) -> tuple[float, float]:
+        """(catch-up ms, drafting ms including it) by the cost table: one drafter forward over the catch-up's
+        pairs, then one per tree level past the first, `width` nodes per row."""
+        if self.costs is None:
+            return 0.0, 0.0
+        c = self.costs
+        cu = c.drafter(R, catch_up) if catch_up else 0.0
+        return cu, cu + max(levels - 1, 0) * c.drafter(R, width)
+
+    @torch.inference_mode()
+    def calibrate(self, R: int, forwards: CostTable) -> dict:
+        """Step overheads over R rows (CostTable.overhead_ms): per kind, the least ms of four real steps on
+        a fresh throwaway batch (after one warm-up), less what `forwards` prices their forwards at.
+        Measured once per device, model and R and cached with the table (cost.cost_table): it is the one
+        place the engine reads a clock, and no decision reads one after it."""
+        slots = max(R // (2 if self.sampling.use_cfg else 1), 1)
+        kinds = {"plain": lambda st, on: self._plain_step(st, on)}
+        if self.trees:
+            kinds["spec"] = lambda st, on: self._spec_step(st, on, self.cfg.total_tokens, choose=False)
+        if self.chain_budget is not None:
+            kinds["chain"] = lambda st, on: self._chain_step(st, on, self.cfg.chain)
+        kept, self.costs = self.costs, forwards
+        try:
+            with caches_kept(self.gpt, self.drafter):
+                return self._time_steps(kinds, slots)
+        finally:
+            self.costs = kept
+
+    def _time_steps(self, kinds: dict, slots: int) -> dict:
+        """calibrate's timing, in K/V buffers of its own: the live batch's (a stream that regroups measures
+        its new row count mid-stream) would otherwise take the throwaway batch's K/V."""
+        for m in (self.gpt, self.drafter):
+            if m is not None:
+                m._cache_key = None
+        out = {}
+        for kind, step in kinds.items():
+            st = self._state(slots)
+            self._admit(st, torch.arange(slots, device=self.device), self._blank_conditions(slots), list(range(slots)))
+            self._midway(st)
+            ms = []
+            for _ in range(5):
+                t0 = self._now()
+                seen = step(st, st.log.n < self.N)
+                ms.append(1000 * (self._now() - t0) - self._priced(st.R, kind, seen))
+            out[kind] = round(max(min(ms[1:]), 0.0), 4)
+        return out
+
+    def _midway(self, st) -> None:
+        """Move a calibration batch to the middle of its images, where the cost table's forwards were
+        measured (attention reads every committed slot): half the tokens committed, the drafter caught up."""
+        h = self.N // 2
+        st.log.n[:] = h
+        st.target.valid[:, : self.L + h - 1] = True
+        if st.draft is not None:
+            st.draft.valid[:, : self.L + h - 1] = True
+        st.dn[:] = h - 1
+
+    def _now(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    def _blank_conditions(self, B: int) -> Conditions:
+        """Conditions of B prompts for calibration: class 0, or an all-zero caption of full length."""
+        a = self.gpt.args
+        if a.model_type == "c2i":
+            return Conditions(torch.zeros(B, dtype=torch.long, device=self.device), None, [0] * B)
+        return Conditions(torch.zeros(B, self.L, a.caption_dim, dtype=self.bundle.dtype, device=self.device),
+                          torch.ones(B, self.L, dtype=torch.bool, device=self.device), [0] * B)
 
     def _hold(self, st) -> None:
         for b in st.budgets:
@@ -291,12 +393,6 @@ class TreeEngine(SlotEngine):
         if self.chain_budget is None or self.costs is None:
             return self.chain_budget is not None
         return self.costs.target(R, 1 + self.cfg.chain) <= self.cfg.chain_cost * self.costs.target(R, 1)
-
-    def _learnt(self) -> dict:
-        state = self.budget.state()
-        if self.chain_budget is not None:
-            state["chain"] = self.chain_budget.state()
-        return state
 
     def _confidence(self, st, active, last: int = 8) -> float:
         """The least confident busy row's mean target probability of its last `last` tokens (the budget's
@@ -355,14 +451,15 @@ class TreeEngine(SlotEngine):
             log.commit(count, token_id=x, p_target=probs.gather(1, x[:, None])[:, 0], step=st.step, accept_len=1)
             log.target_forwards += count
 
-    def _chain_step(self, st, active, plan, t0):
+    def _chain_step(self, st, active, plan):
         """Verify each row's chain (st.chain: drafts for tokens n, n + 1, ...) as a tree of width 1, the
         drafter resting; the target's draws at the chain's nodes past the accepted path become the next
         chain. A draw at node k was made after the chain's first k tokens: where the path took them all,
         it is the draw vanilla makes there and is accepted next step for certain; where the path left
         the chain earlier, it was made after a prefix that is now wrong, and is a draft like any other
-        (the target's draw is what gets committed, so the images stay vanilla's)."""
-        log, N, costs = st.log, self.N, self.costs
+        (the target's draw is what gets committed, so the images stay vanilla's). Returns what the budget
+        learns (`drafts`: the mean drafts a busy row accepted), None where no row was busy."""
+        log, N = st.log, self.N
         n = log.n.clone()
         P = parked((self.L + n - 1)[:, None], active)[:, 0]              # the root's slot
         K, G = self.cfg.chain, self.G
@@ -388,7 +485,7 @@ class TreeEngine(SlotEngine):
         with log.phase("accept"):
             v = verify(tree, probs, node_keys(st.keys, n, tree), self.lantern)
             depth = exists.sum(1)
-            path = self._record(log, tree, v, active, st.step, depth, (depth > 0).long(), K)
+            path = self._record(log, tree, v, active, st.step, depth, (depth > 0).long(), K, Proposer.CHAIN)
         with log.phase("commit"):
             m_max = self._commit(st, tfeats, path, v.accepted, P, n, active)
             st.pending = min(st.pending + m_max + 1, CATCH_UP_MAX)
@@ -398,28 +495,27 @@ class TreeEngine(SlotEngine):
             st.chain = v.drawn.gather(1, src.clamp(max=K))
             st.chain_q = probs.gather(2, v.drawn[..., None])[..., 0].gather(1, src.clamp(max=K))
             st.chain_at = log.n.clone()
-        if costs is not None and bool(active.any()):
-            drafts = float(v.accepted[active].float().mean())
-            self.chain_budget.observe(st.R, plan, 1000 * (self.clock() - t0), costs.target(st.R, 1 + K), 1 + drafts,
-                               np.array([drafts]))
+        if not bool(active.any()):
+            return None
+        return SimpleNamespace(drafts=float(v.accepted[active].float().mean()))
 
-    def _spec_step(self, st, active, plan, t0, room=None):
-        log, N, costs = st.log, self.N, self.costs
+    def _spec_step(self, st, active, plan, room=None, choose: bool = True):
+        """Draft, verify and commit one tree per row, of up to `plan` nodes (the budget chooses K <= plan
+        from the drafted candidates; choose=False: K = plan). Returns what the budget learns."""
+        log, N = st.log, self.N
         n = log.n.clone()
         P = parked((self.L + n - 1)[:, None], active)[:, 0]              # the root's slot
         with log.phase("draft"):
-            t_cu = self.clock()
-            self._catch_up(st, active)
-            catch_up_ms = 1000 * (self.clock() - t_cu)
+            caught_up = self._catch_up(st, active)
             asked, w = st.policy.plan(n, log.col("accepted")[:, :N])
             d = torch.where(active, torch.minimum(torch.minimum(asked, N - n - 1), torch.full_like(asked, plan)), 0)
             if room is not None:
                 d = torch.minimum(d, room)
             cand = self._draft(st.draft, st.dfeat, P, d, w, log, keep=plan)
             d = cand["levels"]
-            drafted_ms = 1000 * (self.clock() - t0)
+            catch_up_ms, drafting_ms = self._drafting_ms(st.R, caught_up, int(d.max()), int(w.max()))
             values = torch.where(active[:, None], cand["score"].topk(min(plan, cand["score"].shape[1]), -1).values.exp(), 0.0)
-            K = self.budget.choose(st.R, values, plan, drafted_ms)
+            K = self.budget.choose(st.R, values, plan, drafting_ms) if choose else min(plan, values.shape[1])
             tree = self._tree(cand, K, log)
         with log.phase("verify"):
             probs, tfeats = self._verify_forward(st.target, tree, P)
@@ -430,24 +526,21 @@ class TreeEngine(SlotEngine):
             st.policy.update(asked, w, v.accepted, active & (drafted > 0), drafted)
         with log.phase("commit"):
             st.pending = self._commit(st, tfeats, path, v.accepted, P, n, active) + 1   # the path and the bonus
-        if costs is not None:
-            by_rank, predicted, per_row = self._by_rank(tree, v, active)
-            accepted, rows = float(v.accepted[active].sum()), max(int(active.sum()), 1)
-            behind = active & (n == torch.where(active, n, N).min())          # the rows furthest from done
-            self.budget.observe(st.R, plan, 1000 * (self.clock() - t0),
-                                max(int(d.max()) - 1, 0) * costs.drafter(st.R, int(w.max())) + costs.target(st.R, 1 + K),
-                                1 + accepted / rows, by_rank, predicted, accepted,
-                                catch_up_ms=catch_up_ms,
-                                behind=float(per_row[behind].mean()) if per_row is not None else None)
+        by_rank, predicted, per_row = self._by_rank(tree, v, active)
+        accepted, rows = float(v.accepted[active].sum()), max(int(active.sum()), 1)
+        behind = active & (n == torch.where(active, n, N).min())              # the rows furthest from done
+        return SimpleNamespace(K=K, catch_up_ms=catch_up_ms, drafting_ms=drafting_ms, tokens=1 + accepted / rows,
+                               by_rank=by_rank, predicted=predicted, accepted=accepted,
+                               behind=float(per_row[behind].mean()) if per_row is not None else None)
 
     # -- drafting ---------------------------------------------------------------------------------------
     def draft_probs(self, features):
         return self.target_probs(features)  # same head, same CFG and filtering as the target
 
-    def _catch_up(self, st, active) -> None:
+    def _catch_up(self, st, active) -> int:
         """Feed the drafter the (feature, next token) pairs committed since it last ran: pair i is (the
         target's feature at token i, token i + 1), in drafter slot L + i. Its last output per row becomes
-        st.dfeat, the feature the tree's first level is drafted from.
+        st.dfeat, the feature the tree's first level is drafted from. Returns the most pairs a row fed.
 
         At most the last CATCH_UP_MAX pairs: after a long plain stretch the drafter sees the condition
         and the recent tokens (two image rows of the shapes model) and the older slots stay masked. A
@@ -460,7 +553,7 @@ class TreeEngine(SlotEngine):
         st.dn, todo = st.dn + skip, todo - skip
         C = int(todo.max())
         if C == 0:
-            return
+            return 0
         lanes = torch.arange(C, device=self.device)
         keep = lanes < todo[:, None]
         i = (st.dn[:, None] + lanes).clamp(max=N - 1)                       # pair index = token index
@@ -477,6 +570,7 @@ class TreeEngine(SlotEngine):
         st.dfeat = torch.where(self.rows(todo > 0)[:, None], fresh, st.dfeat)
         st.dn = st.dn + todo
         log.draft_forwards += (todo > 0).long()
+        return C
 
     def _draft(self, draft, dfeat, P, d, w, log, keep: int | None = None) -> dict:
         """Every row's candidate nodes: tok, par (candidate index of the parent, -1 = root), depth, score
@@ -584,7 +678,7 @@ class TreeEngine(SlotEngine):
                                     visible(target.valid, self.rows(see)), self.rows(slots))
         return self.target_probs(f), f
 
-    def _record(self, log: TokenLog, tree: Tree, v, active, step, d, w, K) -> torch.Tensor:
+    def _record(self, log: TokenLog, tree: Tree, v, active, step, d, w, K, proposer: int = Proposer.TREE) -> torch.Tensor:
         """Write the accepted drafts and the bonus to the log, each at its token position. Returns the
         block indices of [root, path nodes in depth order] [B, T + 1] (past a row's path: 0)."""
         B, T = tree.tok.shape
@@ -596,7 +690,7 @@ class TreeEngine(SlotEngine):
         log.write(torch.where(active[:, None], pos, N), token_id=torch.cat([tree.tok, v.bonus[:, None]], 1),
                   accepted=torch.cat([v.on_path, torch.zeros_like(v.on_path[:, :1])], 1),
                   p_target=torch.cat([v.p_node, v.p_bonus[:, None]], 1), q_draft=torch.cat([tree.q, nan], 1),
-                  step=step, accept_len=count, tree_depth=d, tree_width=w, budget=K)
+                  step=step, accept_len=count, tree_depth=d, tree_width=w, budget=K, proposer=proposer)
         log.n += count
         log.target_forwards += active.long()
         idx = torch.arange(T, device=self.device)

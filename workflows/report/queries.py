@@ -18,7 +18,8 @@ import numpy as np
 # The tokens columns the report reads by name (docs/design.md, "Output contract"). Fixed here, not
 # imported from decoding.engines.log, so a column a new engine adds there is profiled as an extra.
 COMMON = ("prompt_id", "engine", "token_index", "row", "col", "token_id", "step", "accepted", "accept_len",
-          "p_target", "q_draft", "tree_depth", "tree_width")
+          "p_target", "q_draft", "tree_depth", "tree_width", "proposer")
+TREE = 2   # proposer of a drafter tree's tokens: their tree_depth and tree_width are a tree's shape
 BINS = 10  # probability bins of the calibration queries: [0, 0.1), ..., [0.9, 1.0]
 
 
@@ -155,12 +156,20 @@ def depth_acceptance(hist: dict[tuple[int, int], int]) -> list[dict]:
 
 # -- per token ------------------------------------------------------------------------------------------
 def by_value(t: Tables, col: str) -> list[dict] | None:
-    """Per value of an integer token column (tree_depth, tree_width): tokens and the share accepted
-    from the draft."""
+    """Per value of an integer token column (tree_depth, tree_width: over drafter trees' tokens only):
+    tokens and the share accepted from the draft."""
     if not t.has(col, "accepted"):
         return None
+    tree = f" AND proposer = {TREE}" if col.startswith("tree_") and t.has("proposer") else ""
     return t.rows(f"""SELECT {col} AS value, count(*) AS tokens, avg(accepted::INTEGER) AS accepted
-                      FROM {t.tok} WHERE {col} IS NOT NULL GROUP BY {col} ORDER BY {col}""")
+                      FROM {t.tok} WHERE {col} IS NOT NULL{tree} GROUP BY {col} ORDER BY {col}""")
+
+
+def _tree_only(t: Tables, col: str, alias: str = "") -> str:
+    """col where the token came from a drafter tree, else NULL (a chain step logs its chain's length as
+    depth, a plain step 0: neither is a tree's shape). Runs from before the proposer column: col."""
+    c = f"{alias}{col}"
+    return f"CASE WHEN {alias}proposer = {TREE} THEN {c} END" if t.has("proposer") else c
 
 
 def _finite(col: str) -> str:
@@ -193,11 +202,12 @@ def calibration_target(t: Tables) -> list[dict] | None:
 
 
 def cells(t: Tables) -> dict[str, np.ndarray] | None:
-    """[grid_rows, grid_cols] maps over all images: tokens, accepted share, mean tree depth and width."""
+    """[grid_rows, grid_cols] maps over all images: tokens, accepted share, mean tree depth and width (of
+    the drafter trees that made a cell's tokens)."""
     if not t.has("row", "col", "accepted"):
         return None
     extra = [c for c in ("tree_depth", "tree_width") if t.has(c)]
-    rows = t.con.execute(f"""SELECT row, col, count(*), avg(accepted::INTEGER) {''.join(f', avg({c})' for c in extra)}
+    rows = t.con.execute(f"""SELECT row, col, count(*), avg(accepted::INTEGER) {''.join(f', avg({_tree_only(t, c)})' for c in extra)}
                              FROM {t.tok} GROUP BY row, col""").fetchall()
     if not rows:
         return None
@@ -217,7 +227,7 @@ def flat_busy(t: Tables, flat: str) -> list[dict] | None:
     cell = row * grid + col (report.images.flat_cells decides it from the pixels)."""
     if not t.has("row", "col", "accepted"):
         return None
-    extra = "".join(f", avg(t.{c}) AS {c}" for c in ("tree_depth", "tree_width") if t.has(c))
+    extra = "".join(f", avg({_tree_only(t, c, 't.')}) AS {c}" for c in ("tree_depth", "tree_width") if t.has(c))
     return t.rows(f"""
         SELECT {_split('f.split')} AS split,
                CASE WHEN substr(f.mask, t.row * f.grid + t.col + 1, 1) = '1' THEN 'flat' ELSE 'busy' END AS cell,
@@ -231,7 +241,7 @@ def image_tokens(t: Tables, prompt_id: str) -> dict[str, np.ndarray] | None:
     if not t.has("row", "col", "accepted"):
         return None
     extra = [c for c in ("tree_depth",) if t.has(c)]
-    rows = t.con.execute(f"SELECT row, col, accepted::INTEGER {''.join(', ' + c for c in extra)} FROM {t.tok} "
+    rows = t.con.execute(f"SELECT row, col, accepted::INTEGER {''.join(', ' + _tree_only(t, c) for c in extra)} FROM {t.tok} "
                          f"WHERE prompt_id = ?", [prompt_id]).fetchall()
     if not rows:
         return None

@@ -1,0 +1,55 @@
+"""engine=auto (decoding/engines/auto.py): what it picks for each kind of model, and that what it picks is
+lossless: vanilla's tokens for the same seeds (fp32), its distribution (chi-square against the exact one),
+with and without a drafter. The drafter-free choice runs no draft forward at all."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+from decoding.engines import build_engine, check_engine, engine_config
+from decoding.engines.auto import resolve
+from decoding.engines.tree import ADTTree
+from tests.conftest import COSTS, labels, tiny_bundle
+from tests.test_lossless import WORLDS, exact_distribution, sample_pvalue
+
+SAMPLING = dict(cfg_scale=2.0, temperature=0.8, top_k=5, top_p=0.9)
+
+
+def without_drafter(bundle):
+    b = copy.copy(bundle)
+    b.drafter = None
+    return b
+
+
+def test_auto_picks_trees_with_a_drafter_chains_without_one_and_mar_for_continuous_tokens():
+    bundle = tiny_bundle(vocab=8, grid=4, seed=1, std=0.3)
+    trees = build_engine(bundle, engine_config("auto", costs=COSTS))
+    chains = build_engine(without_drafter(bundle), engine_config("auto", costs=COSTS))
+    assert type(trees) is ADTTree and trees.trees and trees.cfg.chain > 0
+    assert type(chains) is ADTTree and not chains.trees and chains.drafter is None and chains.cfg.chain > 0
+    check_engine(engine_config("auto"), "continuous", False, "mar")      # a continuous model: no refusal
+    assert resolve(engine_config("auto"), "continuous", True).name == "mar"
+    with pytest.raises(ValueError, match=r"^engine 'adt_tree' drafts trees with a drafter.*engine=auto"):
+        check_engine(engine_config("adt_tree"), "discrete", False, "llamagen_c2i")
+    check_engine(engine_config("adt_tree", total_tokens=0), "discrete", False, "llamagen_c2i")
+
+
+@pytest.mark.parametrize("drafter", [True, False])
+def test_auto_commits_vanillas_tokens(drafter):
+    """The deterministic check, through continuous batching (more prompts than rows): vanilla's tokens,
+    and speculation saved target forwards; without a drafter, not one draft forward ran."""
+    bundle = tiny_bundle(vocab=8, grid=4, seed=1, std=0.3)
+    bundle = bundle if drafter else without_drafter(bundle)
+    ref = build_engine(bundle, engine_config("vanilla", sampling=SAMPLING)).generate(labels(24), range(24))
+    out = build_engine(bundle, engine_config("auto", sampling=SAMPLING, costs=COSTS)).generate(labels(24), range(24))
+    assert [r.tokens.tolist() for r in out] == [r.tokens.tolist() for r in ref]
+    assert sum(r.target_forwards for r in out) < 0.9 * sum(r.target_forwards for r in ref)
+    assert (sum(r.draft_forwards for r in out) > 0) == drafter
+
+
+@pytest.mark.parametrize("world", list(WORLDS))
+def test_auto_without_a_drafter_samples_the_vanilla_distribution(world):
+    w = WORLDS[world]
+    bundle = without_drafter(tiny_bundle(**w["bundle"]))
+    assert sample_pvalue(bundle, exact_distribution(bundle, w["sampling"]), w["sampling"], "auto") > 1e-3
