@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import copy
 
+import numpy as np
+
 import pytest
 
 from decoding.engines import build_engine, check_engine, engine_config
@@ -53,3 +55,20 @@ def test_auto_without_a_drafter_samples_the_vanilla_distribution(world):
     w = WORLDS[world]
     bundle = without_drafter(tiny_bundle(**w["bundle"]))
     assert sample_pvalue(bundle, exact_distribution(bundle, w["sampling"]), w["sampling"], "auto") > 1e-3
+
+
+@pytest.mark.parametrize("drafter", [True, False])
+def test_the_log_says_what_proposed_each_token(drafter):
+    """The proposer column (decoding/engines/log.py Proposer): a plain step's token (and the first, the
+    prefill's) 0, verified nothing (budget 0); a chain's 1, a tree of width 1 (0 past the image's end); a
+    drafter tree's 2, a tree of width >= 2 (adt_tree's w_min). Without a drafter no token is a tree's.
+    (4 prompts: at this batch the tests' cost table takes tree steps too, at 24 chains alone.)"""
+    bundle = tiny_bundle(vocab=8, grid=4, seed=1, std=0.3)
+    bundle = bundle if drafter else without_drafter(bundle)
+    out = build_engine(bundle, engine_config("auto", sampling=SAMPLING, costs=COSTS)).generate(labels(4), range(4))
+    rec = {k: np.concatenate([r.records[k] for r in out]) for k in ("proposer", "tree_width", "budget")}
+    kinds = set(rec["proposer"].tolist())
+    assert kinds == ({0, 1, 2} if drafter else {0, 1}), kinds
+    assert (rec["budget"][rec["proposer"] == 0] == 0).all()
+    assert (rec["tree_width"][rec["proposer"] == 1] <= 1).all()
+    assert (rec["tree_width"][rec["proposer"] == 2] >= 2).all()
