@@ -109,6 +109,10 @@ class Generator:
     def pid(self) -> int:
         return os.getpid()
 
+    def resolved(self) -> dict:
+        """What model.device and model.dtype resolved to here: the numbers an image's bytes come from."""
+        return {"device": self.bundle.device.type, "dtype": str(self.bundle.dtype).removeprefix("torch.")}
+
     @staticmethod
     def node() -> str:
         import ray

@@ -112,11 +112,13 @@ def _start_error(e: RayActorError) -> ActorStartError:
 
 
 def run_batches(cfg, out_dir: Path, batches, progress, placements: list, stop=None, token=None,
-                prompts=None) -> None:
+                prompts=None, resolved=None) -> None:
     """Run `batches` (an iterator: only the batches in flight are held, workflows/plan.py) on one actor
     per entry of `placements` (a Ray scheduling strategy, e.g. a placement group bundle, or None),
     reporting each committed part to `progress.update`. `token`: the job's lock, checked before every
-    commit (actors and driver). `prompts`: how many are pending, the most rows an actor needs."""
+    commit (actors and driver). `prompts`: how many are pending, the most rows an actor needs.
+    `resolved(list of Generator.resolved)`: called once every actor has started, before any part; it
+    may refuse the run (raise)."""
     c = cfg.cluster
     actor_cls = ray.remote(Generator)
 
@@ -130,8 +132,11 @@ def run_batches(cfg, out_dir: Path, batches, progress, placements: list, stop=No
     actors = [spawn(a) for a in range(n)]
     try:  # an actor that cannot even start (its model does not load) fails the job in one line
         ray.get([x.pid.remote() for x in actors])
+        seen = ray.get([x.resolved.remote() for x in actors])
     except RayActorError as e:
         raise _start_error(e) from None
+    if resolved is not None:
+        resolved(seen)
     batches = iter(batches)
     queue, attempts, inflight, lost = deque(), {}, {}, set()   # queue: retried or peeked batches, first
     solo, shared = set(), set()       # parts to run alone on an actor; in-flight refs that had company

@@ -74,9 +74,26 @@ def test_rerun_resumes_and_writes_every_prompt_once(ray_cluster, tiny_weights, t
 
 def test_other_engine_on_same_out_dir_is_refused(ray_cluster, tiny_weights, tmp_path):
     out = tmp_path / "run"
-    job(*base(tiny_weights, out, "data.limit=2"))
+    job(*base(tiny_weights, out, "data.limit=2", "engine=vanilla"))
     with pytest.raises(ConfigError, match=r"written by a different config \(engine.*vanilla.*eagle2"):
         job(*base(tiny_weights, out, "data.limit=2", "engine=eagle2"))
+
+
+def test_a_resume_that_resolves_another_device_or_dtype_is_refused(ray_cluster, tiny_weights, tmp_path):
+    """model.dtype=auto resolves per machine (bf16 where the CPU has AMX or on a GPU, else fp32), and the
+    bytes follow it: job.json records what the first run's actors resolved, and a rerun that resolves
+    otherwise (here: job.json says the job began on a GPU in bf16) stops before any part, in one line."""
+    out = tmp_path / "run"
+    first = job(*base(tiny_weights, out, "data.limit=2"))
+    recorded = json.loads((out / "job.json").read_text())
+    assert recorded["resolved"]["device"] == "cpu" and first["resolved"] == recorded["resolved"]
+    assert recorded["resolved"]["dtype"] in ("float32", "bfloat16")
+    moved = {**recorded, "resolved": {"device": "cuda", "dtype": "bfloat16"}}
+    (out / "job.json").write_text(json.dumps(moved))
+    with pytest.raises(ConfigError, match=r"written with model.device=cuda model.dtype=bfloat16, and this run "
+                                          r"resolves cpu .*: set model.device=cuda model.dtype=bfloat16"):
+        job(*base(tiny_weights, out, "data.limit=4"))
+    assert len(images(out)) == 2
 
 
 def _generator_pids() -> list[int]:

@@ -99,7 +99,7 @@ def check_out_dir(out_dir: Path, fp: dict) -> None:
     if old is None:
         write_bytes_atomic(json.dumps(fp, indent=2).encode(), out_dir / "job.json", "job.json")
         return
-    old, new = _flat(old), _flat(fp)
+    old, new = _flat({k: v for k, v in old.items() if k != "resolved"}), _flat(fp)   # (check_resolved's)
     if old.get("bytes_version") != new["bytes_version"]:
         raise ConfigError(f"out_dir={out_dir} was written by a version of arspec that samples differently "
                           f"(bytes_version {old.get('bytes_version', 1)}, this one {new['bytes_version']}); "
@@ -109,6 +109,26 @@ def check_out_dir(out_dir: Path, fp: dict) -> None:
     if diffs:
         raise ConfigError(f"out_dir={out_dir} was written by a different config ({'; '.join(diffs[:3])}); "
                           f"use a new out_dir or the same settings")
+
+
+def check_resolved(out_dir: Path, seen: list[dict], token: Optional[str] = None) -> None:
+    """Every actor resolved model.device and model.dtype alike, and as the run that started out_dir did
+    (job.json `resolved`, recorded by the first run to start its actors): bf16 and fp32, or a GPU and a
+    CPU, give different bytes, and one out_dir must not mix them."""
+    from actors.output import check_lock, write_bytes_atomic
+    kinds = sorted({json.dumps(r, sort_keys=True) for r in seen})
+    if len(kinds) > 1:
+        raise ConfigError(f"model.device / model.dtype resolve differently on the actors ({'; '.join(kinds)}): set "
+                          f"both (e.g. model.device=cuda model.dtype=bfloat16) so every actor makes the same bytes")
+    job = json.loads((out_dir / "job.json").read_text())
+    now, then = seen[0], job.get("resolved")
+    if then is None:
+        check_lock(out_dir, token)
+        write_bytes_atomic(json.dumps({**job, "resolved": now}, indent=2).encode(), out_dir / "job.json", "job.json")
+    elif then != now:
+        raise ConfigError(f"out_dir={out_dir} was written with model.device={then['device']} model.dtype={then['dtype']}, "
+                          f"and this run resolves {now['device']} {now['dtype']}: set model.device={then['device']} "
+                          f"model.dtype={then['dtype']} to finish it, or use a new out_dir")
 
 
 def validate(c: GenerateConfig) -> None:
@@ -359,7 +379,7 @@ def _generate(c: GenerateConfig, out_dir: Path, stop, token: Optional[str] = Non
                                    cl.wait_s if kind != "local" else min(cl.wait_s, LOCAL_WAIT_S))
                 actors = len(pgs)
                 run_batches(c, out_dir, plan.batches(), tally, [PlacementGroupSchedulingStrategy(pg, 0) for pg in pgs],
-                            stop, token, st.pending)
+                            stop, token, st.pending, lambda seen: check_resolved(out_dir, seen, token))
         except ActorStartError as e:
             raise ConfigError(f"model: {e}") from None
         finally:
@@ -371,6 +391,7 @@ def _generate(c: GenerateConfig, out_dir: Path, stop, token: Optional[str] = Non
         remove_leftovers(out_dir)    # what writers killed mid-part (a lost node, a stop) left behind
     summary = summarize(tally, c, st.prompts, st.already, time.time() - t0, ray_start_s, t0 + ray_start_s, actors)
     summary["stopped"] = stop.reason
+    summary["resolved"] = (_job_json(out_dir)[0] or {}).get("resolved")     # device and dtype (check_resolved)
     check_lock(out_dir, token)
     if st.pending or not (out_dir / "summary.json").exists():
         write_bytes_atomic(json.dumps(summary, indent=2).encode(), out_dir / "summary.json", "summary.json")

@@ -191,11 +191,17 @@ def page(runs: list[Run], data: dict, figs: dict, samples: dict, examples: dict,
     # runs
     rows = [[H.esc(r.label), f"<code>{H.esc(r.path)}</code>", H.esc(r.engine), H.esc(r.acceptance),
              H.esc(_settings_line(r)), r.seed, r.batch_size or "—",
+             H.esc(" ".join(r.resolved.values())) if r.resolved else "—",
              data[r.label]["summary"][0]["images"] if data[r.label]["summary"] else 0,
              sum(e["prompts"] for e in data[r.label]["errors"]), H.esc(r.baseline.label if r.baseline else "—")]
             for r in runs]
+    low = sorted({r.resolved["dtype"] for r in runs if r.resolved and r.resolved["dtype"] != "float32"})
+    note = (f"<p>Runs in {', '.join(low)}: a speculative engine's tokens can differ from its baseline's there "
+            f"(a forward over a tree rounds differently from one over a single token), while the distribution is "
+            f"the same (exact acceptance); compare quality by the scores, not by identical pixels. In float32 an "
+            f"exact engine's tokens are its baseline's.</p>") if low else ""
     S.append(("runs", "Runs", H.table(["run", "folder", "engine", "acceptance", "engine settings", "seed", "batch",
-                                        "images", "errors", "baseline"], rows, left=5)))
+                                        "device, dtype", "images", "errors", "baseline"], rows, left=5) + note))
     # summary
     S.append(("summary", "Summary", H.table(
         ["run", "split", "images", "τ mean", "τ median [p10, p90]", "τ pooled", "target fwd / image",

@@ -23,6 +23,7 @@ class Run:
     settings: dict = field(default_factory=dict)   # the engine's settings from job.json
     seed: int | None = None
     batch_size: int | None = None   # from summary.json, when the job wrote one
+    resolved: dict | None = None    # model.device and model.dtype as the actors resolved them (job.json)
     baseline: "Run | None" = None   # the non-speculative run of the same prompts it is compared with
 
     @property
@@ -103,7 +104,7 @@ def load_runs(paths: list[Path], baselines: list[str]) -> list[Run]:
         summary = json.loads((p / "summary.json").read_text()) if (p / "summary.json").is_file() else {}
         engine = job.get("engine", {})
         runs.append(Run(p, label, engine.get("name", "?"), reported_acceptance(p), job.get("model", {}),
-                        engine, job.get("seed"), summary.get("batch_size")))
+                        engine, job.get("seed"), summary.get("batch_size"), job.get("resolved")))
     runs.sort(key=lambda r: r.engine not in baselines)
     return runs
 
