@@ -196,7 +196,7 @@ class Generator:
             "model": b.name, "image": {"bytes": png_bytes(r.image), "path": f"{it['prompt_id']}.png"},
             "width": r.image.shape[1], "height": r.image.shape[0], "num_tokens": len(r.tokens),
             "target_forwards": r.target_forwards, "draft_forwards": r.draft_forwards,
-            "mean_accept_len": r.mean_accept_len, "wall_s": r.wall_s, "batch_size": self.slots,
+            "mean_accept_len": r.mean_accept_len, "wall_s": r.wall_s, "batch_size": round(r.batch) or self.slots,
             "acceptance": e.acceptance, "split": it.get("split"), "unknown_words": r.unknown_words,
             "invalid_tokens": r.invalid_tokens, "part": part}
             for it, r in done], schema=IMAGE_SCHEMA)

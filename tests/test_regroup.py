@@ -132,3 +132,13 @@ def test_a_state_tensor_that_is_not_per_row_is_refused_at_a_regroup():
     st.extra = torch.zeros(3)
     with pytest.raises(ValueError, match="state.extra"):
         engine._resize(st, [1, 2], 2)
+
+
+def test_an_image_reports_the_batch_it_actually_ran_in():
+    """ImageResult.batch (the images table's batch_size): the mean slots over the steps an image took
+    part in. Prompts that finish while the batch is full ran at 8; the last ones ran part of their
+    steps in a regrouped batch of fewer rows."""
+    engine = setup("vanilla")[1]
+    outs = list(engine.stream([Request(c, i, i) for i, c in enumerate(labels(12).split())], slots=8))
+    batch = [o.result.batch for o in outs]
+    assert max(batch) == 8 and min(batch) < 8 and all(1 <= x <= 8 for x in batch), batch

@@ -45,6 +45,7 @@ class ImageResult:
     wall_s: float                 # engine seconds attributed to the image (each step's time / rows it advanced)
     phase_s: dict = field(default_factory=dict)  # the same, per step phase
     unknown_words: int = 0
+    batch: float = 0.0            # prompts its batch decoded: the mean over its steps (a stream regroups)
 
     @property
     def mean_accept_len(self) -> float:
@@ -153,6 +154,7 @@ class _Row:
     """What a stream knows of the image a row decodes: its request, and its share of the engine's time."""
     def __init__(self, req: Request, wall: float):
         self.req, self.wall, self.phases = req, wall, {}
+        self.steps, self.slots = 0, 0                 # steps it took part in, and their batches' slots in all
 
 
 @dataclass
@@ -294,7 +296,7 @@ class Engine:
         tf, df = log.target_forwards.tolist(), log.draft_forwards.tolist()
         unknown = cond.unknown_words or [0] * len(seeds)
         return [ImageResult(tokens[b].numpy(), images[b], log.records(b), tf[b], df[b], wall, phases,
-                            int(unknown[b])) for b in range(len(seeds))]
+                            int(unknown[b]), len(seeds)) for b in range(len(seeds))]
 
     def stream(self, requests, slots: int) -> Iterator[Outcome]:
         """Decode requests (an iterable or a RequestQueue) in batches of up to `slots`; a failing batch is
@@ -401,12 +403,14 @@ class SlotEngine(Engine):
                 share = (time.perf_counter() - t0) / len(stepping)
                 for b in stepping:
                     rows[b].wall += share
+                    rows[b].steps += 1
+                    rows[b].slots += state.slots
                     for k, v in log.phase_s.items():
                         rows[b].phases[k] = rows[b].phases.get(k, 0.0) + (v - before.get(k, 0.0)) / len(stepping)
                 done = (log.n >= self.N).tolist()
             for b in busy:
                 if done[b]:
-                    yield Outcome(rows[b].req.key, self._result(state, b, rows[b].req, rows[b].wall, rows[b].phases))
+                    yield Outcome(rows[b].req.key, self._result(state, b, rows[b]))
                     rows[b] = None
             busy = [b for b in busy if rows[b] is not None]
             if busy and len(busy) <= state.slots // 2 and not source.waiting():
@@ -496,14 +500,15 @@ class SlotEngine(Engine):
             state.log.n[rows] = self.N                            # the rows are free again
             raise
 
-    def _result(self, state, b: int, req: Request, wall: float, phases: dict) -> ImageResult:
+    def _result(self, state, b: int, row: _Row) -> ImageResult:
         log = state.log
         t0 = time.perf_counter()
         tokens = log.tokens[b].cpu().clone()                         # the row is reused by the next prompt
         image = self.bundle.decode(tokens[None])[0]
-        wall += time.perf_counter() - t0
+        wall = row.wall + time.perf_counter() - t0
         return ImageResult(tokens.numpy(), image, log.records(b), int(log.target_forwards[b]),
-                           int(log.draft_forwards[b]), wall, phases, int(req.cond.unknown_words[0]))
+                           int(log.draft_forwards[b]), wall, row.phases, int(row.req.cond.unknown_words[0]),
+                           row.slots / max(row.steps, 1))
 
     def _start(self, slots: int):
         raise NotImplementedError

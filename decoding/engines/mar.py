@@ -143,7 +143,7 @@ class ContinuousEngine(Engine):
         unknown = cond.unknown_words or [0] * B
         phases = {k: v / B for k, v in log.phase_s.items()}
         tf, df = log.target_forwards.tolist(), log.draft_forwards.tolist()
-        return [ImageResult(tokens[b], images[b], log.records(b), tf[b], df[b], wall, phases, int(unknown[b]))
+        return [ImageResult(tokens[b], images[b], log.records(b), tf[b], df[b], wall, phases, int(unknown[b]), B)
                 for b in range(B)]
 
 
