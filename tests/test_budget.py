@@ -104,6 +104,15 @@ def test_cost_table_is_measured_for_the_bundle():
     assert len(c.width_ms) == 2 and min(c.width_ms) >= 0 and c.width(64) >= 0     # never a negative cost
 
 
+def test_a_forward_timed_cheaper_with_more_tokens_is_pooled(monkeypatch):
+    """Timings that fall with the tokens (another process ran during the short calls) reach the table
+    pooled non-decreasing (cost.nondecreasing), for the target and the drafter."""
+    import decoding.engines.cost as cost
+    times = iter([5.0, 1.0, 3.0] * 100)
+    monkeypatch.setattr(cost, "_least_ms", lambda call, dev, reps: next(times))
+    c = measure(tiny_bundle(vocab=8, grid=4), rows=(2,), tokens=(1, 2, 4), reps=1)
+    assert c.target_ms == [[3.0, 3.0, 3.0]] and c.drafter_ms == [[3.0, 3.0, 3.0]]
+
 
 def test_cost_table_measures_only_the_rows_asked_and_caches_them(tmp_path, monkeypatch):
     """An engine asks for its own row count when a batch starts: only rows the cache lacks are measured,
@@ -123,6 +132,24 @@ def test_cost_table_measures_only_the_rows_asked_and_caches_them(tmp_path, monke
     old = {k: v for k, v in json.loads(path.read_text()).items() if k != "width_ms"}
     path.write_text(json.dumps(old))
     assert len(cost.cost_table(b, rows=(4,), cache_dir=str(tmp_path)).width_ms) == 1 and asked[-1] == [4]
+
+def test_engines_that_start_together_measure_a_row_count_once(tmp_path, monkeypatch):
+    """Actors of one machine start together: one measures, the others wait and read its rows, so every
+    engine on the device decides from the same table (and no measurement runs beside another)."""
+    import threading
+    import decoding.engines.cost as cost
+    asked, real = [], cost.measure
+    monkeypatch.setattr(cost, "measure", lambda b, rows: asked.append(list(rows)) or real(b, rows=rows, reps=1))
+    b = tiny_bundle(vocab=8, grid=4)
+    got = []
+    threads = [threading.Thread(target=lambda: got.append(cost.cost_table(b, rows=(4,), cache_dir=str(tmp_path))))
+               for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert asked == [[4]] and len(got) == 3 and all(t == got[0] for t in got)
+
 
 SAMPLING = dict(cfg_scale=2.0, temperature=0.8, top_k=5, top_p=0.9)
 # costs: the tests' cost table (tests/conftest.py): no step depends on the host's timings

@@ -198,20 +198,24 @@ def cost_table(bundle, rows=ROWS, cache_dir: str | None = None, calibrate=None) 
     None: no overheads). `cache_dir` (default $ARSPEC_CACHE or
     ~/.cache/arspec) holds one JSON file per key. rows=() only reads the cache.
 
-    A row the cache gained while this one was measured (another actor on the same device) wins over
-    this measurement, so that every engine on a device decides from the same numbers."""
+    One engine measures at a time (a lock file beside the tables): actors of one machine that start
+    together take turns, the later ones find the rows cached and measure nothing, so every engine on a
+    device decides from the same numbers, measured without another measurement running beside them."""
     key = cache_key(bundle)
     path = _cache_file(key, cache_dir)
     table = _read(path, key)
-    missing = sorted({int(r) for r in rows} - set(table.rows))
-    if not missing:
+    if not set(rows) - set(table.rows):
         return table
-    t0 = time.perf_counter()
-    new = measure(bundle, rows=missing)
-    over = [calibrate(R, new) if calibrate else {} for R in new.rows]
-    new = replace(new, key=key, overhead_ms={k: [o.get(k, 0.0) for o in over] for k in sorted({*over[0]})})
     with _locked(path):
-        table = _merged(_read(path, key), new)
+        table = _read(path, key)                                      # what another engine measured meanwhile
+        missing = sorted({int(r) for r in rows} - set(table.rows))
+        if not missing:
+            return table
+        t0 = time.perf_counter()
+        new = measure(bundle, rows=missing)
+        over = [calibrate(R, new) if calibrate else {} for R in new.rows]
+        new = replace(new, key=key, overhead_ms={k: [o.get(k, 0.0) for o in over] for k in sorted({*over[0]})})
+        table = _merged(table, new)
         _write(path, asdict(table))
     log.info(f"[cost] measured R={missing} in {time.perf_counter() - t0:.1f}s: {table.summary()}")
     return table
@@ -259,7 +263,7 @@ def _merged(old: CostTable, new: CostTable) -> CostTable:
 
 @contextlib.contextmanager
 def _locked(path: Path):
-    """An exclusive lock on path's folder's lock file (actors of one machine measuring at once)."""
+    """An exclusive lock on path's folder's lock file (actors of one machine that would measure at once)."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         f = open(path.parent / ".lock", "a")
