@@ -11,6 +11,10 @@ import pytest
 import torch
 
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+# Ray starts its workers at niceness 15: beside other CPU-bound work (the suite must pass on a busy
+# machine) the job tests' actors then got almost no CPU, and one job test took over 10 minutes. The
+# tests' Ray workers run at the priority of the test process instead.
+os.environ.setdefault("RAY_worker_niceness", "0")
 # Hydra's per-run folders (conf/*.yaml hydra.run.dir) go to a temporary directory, not the working tree:
 # the tests' subprocesses inherit it
 HYDRA_DIR = tempfile.mkdtemp(prefix="arspec-hydra-")
