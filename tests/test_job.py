@@ -207,7 +207,7 @@ def test_failing_prompts_become_error_rows(ray_cluster, tiny_weights, tmp_path):
     (["engine.name=nope"], "engine.name='nope' is not an engine"),
     (["engine=eagle2", "engine.dmax=4"], "engine.dmax: Eagle2Config has no setting 'dmax'; its settings are"),
     (["engine=eagle2", "engine.d_max=4"], "engine.d_max: Eagle2Config has no setting 'd_max'"),   # adt_tree's key
-    (["engine.acceptance=lantern"], "engine.acceptance: VanillaConfig has no setting 'acceptance'"),
+    (["engine.acceptance=lantern"], "engine.acceptance: AutoConfig has no setting 'acceptance'"),   # the default engine
     (["engine=eagle2", "engine.depth=deep"], "engine.depth='deep': Value 'deep' of type 'str' could not be converted to Integer"),
     (["engine.sampling.top_p=2"], "engine.sampling.top_p=2.0: must be in (0, 1]"),
     (["model.weights=/x"], "model.weights: ShapesConfig has no setting 'weights'"),
