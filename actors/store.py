@@ -257,6 +257,15 @@ def source(path: Where):
     return path if isinstance(path, Path) else path.open_input()
 
 
+def _has_aws_credentials() -> bool:
+    """Whether the standard AWS chain finds any credentials (variables, profile, shared files)."""
+    try:
+        import boto3
+    except ImportError:
+        return bool(os.environ.get("AWS_ACCESS_KEY_ID") or os.environ.get("AWS_PROFILE"))
+    return boto3.Session().get_credentials() is not None
+
+
 def check_reachable(out: ObjPath, field: str = "out_dir") -> None:
     """Before anything starts: the bucket exists and these credentials may list it. One line otherwise."""
     import pyarrow.fs as pfs
@@ -266,6 +275,9 @@ def check_reachable(out: ObjPath, field: str = "out_dir") -> None:
             out.fs.get_file_info(pfs.FileSelector(out.key, allow_not_found=True, recursive=False))
     except OSError as e:
         msg = first_line(e)
+        if out.scheme in ("s3", "s3a") and not _has_aws_credentials():
+            raise StoreConfigError(f"{field}={out}: no credentials found: set AWS_ACCESS_KEY_ID and "
+                                   f"AWS_SECRET_ACCESS_KEY, or AWS_PROFILE ({msg})") from None
         hint = ("the credentials were refused: set AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (or AWS_PROFILE) to "
                 "keys this store accepts" if re.search(r"ACCESS_DENIED|SignatureDoesNotMatch|InvalidAccessKeyId|"
                                                        r"403|Forbidden|credentials", msg, re.I)

@@ -83,10 +83,28 @@ def cli(*argv, module="workflows.generate", timeout=240):
                           cwd=REPO, env={**os.environ, "HYDRA_FULL_ERROR": "0"})
 
 
-def test_whole_job_on_s3_then_verify_and_readers(s3, ray_cluster, tiny_weights, reference):
+@pytest.fixture(scope="module")
+def whole(s3, ray_cluster, tiny_weights):
+    """One whole job on s3://arspec/whole, prompts read from the store: its summary."""
+    return job(*args(tiny_weights, f"s3://{BUCKET}/whole"))
+
+
+def copy_prefix(server, src: str, dst: str) -> None:
+    c = server.client()
+    for k in server.keys(BUCKET, src + "/"):
+        if not k.endswith("/"):
+            c.copy_object(Bucket=BUCKET, Key=dst + k[len(src):], CopySource={"Bucket": BUCKET, "Key": k})
+
+
+def files(server, prefix: str) -> dict:
+    """The objects under a prefix (SeaweedFS also lists "dir/" markers: left out)."""
+    return {k: v for k, v in server.keys(BUCKET, prefix + "/").items() if not k.endswith("/")}
+
+
+def test_whole_job_on_s3_then_verify_and_readers(s3, whole, reference):
     server, _ = s3
     out = f"s3://{BUCKET}/whole"
-    s = job(*args(tiny_weights, out))
+    s = whole
     assert (s["images"], s["errors"]) == (N, 0)
     keys = server.keys(BUCKET, "whole/")
     parts = sorted(k.split("/")[-1] for k in keys if k.startswith("whole/images/"))
@@ -116,3 +134,192 @@ def test_whole_job_on_s3_then_verify_and_readers(s3, ray_cluster, tiny_weights, 
     hf = datasets.Dataset(pads.dataset(f"{BUCKET}/whole/images", filesystem=fs).to_table())
     from PIL import Image
     assert isinstance(hf[0]["image"], Image.Image) and hf[0]["image"].size == (8, 8)
+
+
+# A driver in a subprocess, attached to the tests' Ray, with the write-boundary hook (actors/output.py FAULT)
+# doing ACTION at its K-th committed manifest line: a deterministic point mid-job.
+DRIVER = textwrap.dedent("""
+    import os, signal, sys
+    from actors import output
+    from workflows.config import cli
+    from workflows.generate import main
+    seen = [0]
+    def hook(point):
+        if point == "after:manifest-line":
+            seen[0] += 1
+            if seen[0] == int(os.environ["AT_LINE"]):
+                ACTION
+    output.FAULT = hook
+    cli(main)
+""")
+
+
+def driver(action: str, at_line: int, argv: list[str], extra_env=None):
+    code = DRIVER.replace("ACTION", action)
+    return subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=240, cwd=REPO,
+                          env={**os.environ, "HYDRA_FULL_ERROR": "0", "AT_LINE": str(at_line), **(extra_env or {})})
+
+
+def committed_parts(server, prefix: str) -> list[str]:
+    return sorted(k.split("/")[-1] for k in files(server, prefix) if k.startswith(f"{prefix}/images/"))
+
+
+def assert_complete(server, prefix: str, reference) -> None:
+    """Every prompt once, bytes equal to the local run, tokens matching, no lock, no unfolded manifest lines."""
+    out = f"s3://{BUCKET}/{prefix}"
+    assert image_bytes(out) == reference
+    tokens = table(out, "tokens")
+    assert len(tokens) == N * 16 and set(tokens.prompt_id) == set(reference)
+    keys = files(server, prefix)
+    assert not [k for k in keys if "job.lock" in k or f"{prefix}/manifest/" in k], keys
+    for t in ("tokens", "errors"):
+        assert sorted(k.split("/")[-1] for k in keys if k.startswith(f"{prefix}/{t}/")) == committed_parts(server, prefix)
+
+
+def test_driver_killed_mid_job_then_resumed_byte_identical(s3, ray_cluster, tiny_weights, reference):
+    server, _ = s3
+    argv = args(tiny_weights, f"s3://{BUCKET}/cut", f"s3://{BUCKET}/prompts/p.jsonl",
+                f"cluster.address={ray_cluster.address}")
+    r = driver("os.kill(os.getpid(), signal.SIGKILL)", 2, argv)
+    assert r.returncode == -9, r.stderr[-2000:]
+    parts = committed_parts(server, "cut")
+    assert 2 <= len(parts) < N // 2, parts             # killed mid-job
+    assert any("job.lock" in k for k in files(server, "cut"))   # a dead driver's lock: taken over on the rerun
+    r = cli(*argv)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "taking over" in r.stdout + r.stderr and "is no longer running" in r.stdout + r.stderr
+    assert_complete(server, "cut", reference)
+
+
+def test_damaged_objects_are_quarantined_and_regenerated(s3, whole, ray_cluster, tiny_weights, reference, caplog):
+    """A byte flipped inside one part's images object (same size: its page checksum sees it) and another
+    part's tokens object cut short: workflows.verify names both and exits 1; the rerun moves each part's
+    objects to quarantine/ and generates its prompts again, byte-identical."""
+    import logging
+    server, _ = s3
+    copy_prefix(server, "whole", "damaged")
+    parts = committed_parts(server, "damaged")
+    c = server.client()
+    key = f"damaged/images/{parts[1]}"
+    data = bytearray(c.get_object(Bucket=BUCKET, Key=key)["Body"].read())
+    data[data.index(b"IHDR") + 6] ^= 0xFF              # inside a PNG, inside a data page
+    c.put_object(Bucket=BUCKET, Key=key, Body=bytes(data))
+    key = f"damaged/tokens/{parts[2]}"
+    c.put_object(Bucket=BUCKET, Key=key, Body=c.get_object(Bucket=BUCKET, Key=key)["Body"].read()[:-100])
+    out = f"s3://{BUCKET}/damaged"
+    r = cli(f"out_dir={out}", module="workflows.verify")
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert f"damaged {parts[1][:-8]}: images/" in r.stdout and "page checksum failed" in r.stdout, r.stdout
+    assert f"damaged {parts[2][:-8]}: tokens/" in r.stdout and "the manifest recorded" in r.stdout, r.stdout
+    caplog.set_level(logging.WARNING, logger="arspec.job")
+    s = job(*args(tiny_weights, out))
+    assert (s["images"], s["already_done"]) == (4, N - 4)
+    keys = files(server, "damaged")
+    for p in (parts[1], parts[2]):
+        assert f"quarantined {p[:-8]}:" in caplog.text
+        assert all(f"damaged/quarantine/{t}/{p}" in keys for t in ("images", "tokens", "errors"))
+    assert_complete(server, "damaged", reference)
+    from workflows.verify import main as verify
+    assert verify([f"out_dir={out}", "verify=full"]) == 0
+
+
+def test_second_job_on_a_held_prefix_is_refused_and_a_dead_or_silent_owner_taken_over(
+        s3, ray_cluster, tiny_weights, reference, caplog):
+    """The lock is created with If-None-Match: * (a second create fails, whatever the timing), refreshed and
+    taken over with If-Match."""
+    import logging
+    import socket
+    import time
+    from workflows.lock import LockHeld, ObjectLock
+    server, _ = s3
+    out = f"s3://{BUCKET}/held"
+    with ObjectLock(at(out)):
+        with pytest.raises(LockHeld, match=rf"out_dir={out} is in use by the job of pid {os.getpid()} on host "
+                                            rf"{socket.gethostname()}"):
+            ObjectLock(at(out)).acquire()
+        with pytest.raises(LockHeld, match=rf"out_dir={out} is in use by the job of pid {os.getpid()}"):
+            job(*args(tiny_weights, out))
+        assert list(files(server, "held")) == ["held/job.lock"]       # nothing else written
+    assert files(server, "held") == {}                                 # released
+    # another host's job, silent past cluster.lock_timeout_s (the store's clock: Date - Last-Modified)
+    server.client().put_object(Bucket=BUCKET, Key="held/job.lock", Body=json.dumps(
+        {"host": "node-b", "pid": 1, "boot_id": "x", "started": "then", "token": "b"}).encode())
+    with pytest.raises(LockHeld, match="in use by the job of pid 1 on host node-b"):
+        job(*args(tiny_weights, out, f"s3://{BUCKET}/prompts/p.jsonl", "cluster.lock_timeout_s=60"))
+    time.sleep(2.5)
+    caplog.set_level(logging.WARNING, logger="arspec.job")
+    job(*args(tiny_weights, out, f"s3://{BUCKET}/prompts/p.jsonl", "cluster.lock_timeout_s=2"))
+    assert "pid 1 on host node-b started then, has been silent for" in caplog.text
+    assert_complete(server, "held", reference)
+
+
+def one_line(e) -> str:
+    msg = str(e.value)
+    assert "\n" not in msg, msg
+    return msg
+
+
+def test_bad_stores_are_refused_in_one_line_and_nothing_is_written_or_deleted(s3, whole, tiny_weights, monkeypatch):
+    """Before the lock or Ray: an unknown scheme, a missing bucket, refused or absent credentials, a
+    prefix holding other people's objects or another job's, a prompt file that is not there."""
+    server, _ = s3
+    c = server.client()
+    c.put_object(Bucket=BUCKET, Key="theirs/notes.txt", Body=b"not a job's")
+    copy_prefix(server, "whole", "otherjob")
+    before = server.keys(BUCKET)
+    cases = [
+        (["out_dir=nosuch://arspec/x"], "unknown scheme nosuch://"),
+        ([f"out_dir=s3://no-such-bucket/x"], "bucket 'no-such-bucket' does not exist"),
+        ([f"out_dir=s3://{BUCKET}/theirs"], f"out_dir=s3://{BUCKET}/theirs is not a job's directory (job.json is "
+                                            f"missing) and holds notes.txt: nothing was changed"),
+        ([f"out_dir=s3://{BUCKET}/otherjob", "engine.sampling.cfg_scale=3.0"], "was written by a different config"),
+        ([f"out_dir=s3://{BUCKET}/new", f"data.path=s3://{BUCKET}/prompts/none.jsonl"], "no such file"),
+    ]
+    for extra, message in cases:
+        with pytest.raises(ConfigError) as e:
+            job(*args(tiny_weights, "unset"), *extra)
+        assert message in one_line(e), (extra, str(e.value))
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong")
+    with pytest.raises(ConfigError) as e:
+        job(*args(tiny_weights, f"s3://{BUCKET}/new"))
+    assert "the credentials were refused" in one_line(e)
+    monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
+    monkeypatch.delenv("AWS_ACCESS_KEY_ID")
+    with pytest.raises(ConfigError) as e:
+        job(*args(tiny_weights, f"s3://{BUCKET}/new"))
+    assert "no credentials" in one_line(e)
+    assert server.keys(BUCKET) == before                       # nothing written, changed or deleted
+    # what a user sees: one line, exit 2, before Ray starts (no private Ray is ever started here)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "nobody")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong")
+    r = cli(*args(tiny_weights, f"s3://{BUCKET}/new"), "cluster.address=null")
+    lines = [x for x in r.stderr.splitlines() if x.strip()]
+    assert r.returncode == 2 and len(lines) == 1 and "credentials were refused" in lines[0], r.stderr
+    assert "ray" not in (r.stdout + r.stderr).lower()
+
+
+def test_store_that_stops_mid_job_exits_in_one_line_and_the_rerun_finishes(s3, ray_cluster, tiny_weights, reference):
+    """The server is stopped (by its PID) when the driver has committed its first part: the job exits 3 with
+    one line; with the server back, every committed part is sound (nothing half-visible), and the rerun
+    finishes byte-identical."""
+    server, _ = s3
+    argv = args(tiny_weights, f"s3://{BUCKET}/outage", f"s3://{BUCKET}/prompts/p.jsonl",
+                f"cluster.address={ray_cluster.address}")
+    try:
+        r = driver("os.killpg(int(os.environ['WEED_PID']), signal.SIGTERM)", 1, argv,
+                   {"WEED_PID": str(server.proc.pid)})
+        last = r.stderr.strip().splitlines()[-1]
+        assert r.returncode == 3 and last.startswith("error: cannot reach s3://") or \
+            last.startswith("error: cannot write"), r.stderr[-3000:]
+        assert "rerun the same command" in last and "Traceback" not in r.stderr, r.stderr[-3000:]
+    finally:
+        server.stop()
+        server.start()
+    from workflows.verify import main as verify
+    assert verify([f"out_dir=s3://{BUCKET}/outage", "verify=full"]) == 0
+    for t in ("tokens", "errors"):     # each committed part's images object came after its tokens and errors
+        have = {k.split("/")[-1] for k in files(server, "outage") if k.startswith(f"outage/{t}/")}
+        assert set(committed_parts(server, "outage")) <= have
+    r = cli(*argv)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert_complete(server, "outage", reference)
