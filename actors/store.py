@@ -203,7 +203,7 @@ def at(where) -> Where:
         return Path("/" + rest.lstrip("/"))
     fs, key = _filesystem(scheme, rest, tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("AWS_"))))
     query = rest[rest.index("?"):] if "?" in rest else ""
-    if not key or key.startswith("/"):
+    if not key.strip("/"):
         raise StoreConfigError(f"{s}: name a bucket and a prefix ({scheme}://BUCKET/PREFIX)")
     return ObjPath(fs, key, scheme, query)
 

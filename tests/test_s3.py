@@ -71,11 +71,17 @@ def image_bytes(out) -> dict:
 
 
 @pytest.fixture(scope="module")
-def reference(s3, ray_cluster, tiny_weights, tmp_path_factory):
-    """The same prompts generated to a local disk: what every s3 run must equal, byte for byte."""
+def local_run(s3, ray_cluster, tiny_weights, tmp_path_factory):
+    """The same prompts generated to a local disk."""
     out = tmp_path_factory.mktemp("local") / "run"
     job(*args(tiny_weights, out, s3[1]))
-    return image_bytes(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(local_run):
+    """What every s3 run must equal, byte for byte: the local run's images."""
+    return image_bytes(local_run)
 
 
 def cli(*argv, module="workflows.generate", timeout=240):
@@ -269,6 +275,7 @@ def test_bad_stores_are_refused_in_one_line_and_nothing_is_written_or_deleted(s3
     before = server.keys(BUCKET)
     cases = [
         (["out_dir=nosuch://arspec/x"], "unknown scheme nosuch://"),
+        (["out_dir=memory://arspec/x"], "a job writes to a memory:// prefix only where it can lock it"),
         ([f"out_dir=s3://no-such-bucket/x"], "bucket 'no-such-bucket' does not exist"),
         ([f"out_dir=s3://{BUCKET}/theirs"], f"out_dir=s3://{BUCKET}/theirs is not a job's directory (job.json is "
                                             f"missing) and holds notes.txt: nothing was changed"),
@@ -323,3 +330,19 @@ def test_store_that_stops_mid_job_exits_in_one_line_and_the_rerun_finishes(s3, r
     r = cli(*argv)
     assert r.returncode == 0, r.stderr[-2000:]
     assert_complete(server, "outage", reference)
+
+
+def test_analyze_reads_a_run_on_s3_as_it_reads_the_same_run_on_disk(s3, whole, local_run, tmp_path):
+    """workflows.analyze over s3://arspec/whole (DuckDB over the job's pyarrow filesystem) gives the numbers
+    it gives for the local run of the same prompts."""
+    from workflows.report import ReportConfig, build
+    cfg = dict(examples=1, side_by_side=2, scorer=False, threads=1)
+    got = build([f"s3://{BUCKET}/whole"], ReportConfig(out=str(tmp_path / "s3"), **cfg))
+    want = build([local_run], ReportConfig(out=str(tmp_path / "local"), **cfg))
+    def facts(x):      # every number but the measured seconds (wall clock of each run)
+        if isinstance(x, dict):
+            return {k: facts(v) for k, v in x.items() if k not in ("path", "label", "seconds", "s_per_image")}
+        return [facts(v) for v in x] if isinstance(x, list) else x
+    runs = [facts(json.loads((d / "summary.json").read_text())["runs"][0]) for d in (got, want)]
+    assert runs[0] == runs[1] and runs[0]["summary"][0]["images"] == N
+    assert (got / "index.html").stat().st_size > 10_000

@@ -62,11 +62,16 @@ def _job_json(out_dir) -> tuple[Optional[dict], str]:
 
 def out_dir_of(c: GenerateConfig):
     """out_dir as a Path, or an ObjPath for a URI (actors/store.py); a scheme no filesystem knows is one line."""
-    from actors.store import StoreConfigError, at
+    from actors.store import ObjPath, StoreConfigError, at
     try:
-        return at(c.out_dir)
+        out = at(c.out_dir)
     except StoreConfigError as e:
-        raise ConfigError(f"out_dir={c.out_dir}: {e}") from None
+        raise ConfigError(f"out_dir={e}") from None
+    if isinstance(out, ObjPath) and out.scheme not in ("s3", "s3a"):   # workflows/lock.py ObjectLock
+        raise ConfigError(f"out_dir={c.out_dir}: a job writes to a {out.scheme}:// prefix only where it can lock it "
+                          f"against a second job (a conditional create), which it does on s3:// stores: use the "
+                          f"store's S3 endpoint (s3:// with AWS_ENDPOINT_URL), or a local out_dir")
+    return out
 
 
 def claim_out_dir(out_dir) -> None:

@@ -104,7 +104,7 @@ class PromptSource:
         try:       # a local path, or a URI: s3://bucket/prompts.parquet (streamed from the store as from a disk)
             self.path = path = at(cfg.path)
         except StoreConfigError as e:
-            raise ConfigError(f"data.path={cfg.path}: {e}") from None
+            raise ConfigError(f"data.path={e}") from None
         if path.is_dir():
             raise ConfigError(f"data.path={cfg.path}: is a directory; point it at a prompt file in it "
                               f"({', '.join(FORMATS)})")

@@ -28,7 +28,7 @@ def main(argv: list[str]) -> int:
         if isinstance(out_dir, ObjPath):
             check_reachable(out_dir)
     except StoreConfigError as e:
-        print(f"error: out_dir={args['out_dir']}: {e}", file=sys.stderr)
+        print(f"error: {e}" if str(e).startswith('out_dir=') else f"error: out_dir={e}", file=sys.stderr)
         return 2
     try:
         return _verify(out_dir, mode)
