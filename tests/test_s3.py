@@ -3,7 +3,6 @@ the `s3_server` fixture, tests/seaweed.py; no mock of the S3 API): a whole job a
 killed mid-job, a damaged object, a second job, bad stores, and a store that stops mid-job."""
 from __future__ import annotations
 
-import io
 import json
 import os
 import subprocess
@@ -11,12 +10,10 @@ import sys
 import textwrap
 
 import pandas as pd
-import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from hydra import compose, initialize_config_dir
 
-from actors.output import JobExit
 from actors.store import at
 from tests.conftest import REPO
 from workflows.config import ConfigError
@@ -134,8 +131,9 @@ def test_whole_job_on_s3_then_verify_and_readers(s3, whole, reference):
     fs = pafs.S3FileSystem(endpoint_override=server.endpoint)
     df = pd.read_parquet(f"{BUCKET}/whole/images", filesystem=fs)
     assert len(df) == N
-    images = pads.dataset(f"{BUCKET}/whole/images", filesystem=fs)   # noqa: F841 (DuckDB finds it by name)
-    n, tau = duckdb.sql("select count(*), avg(mean_accept_len) from images").fetchall()[0]
+    con = duckdb.connect()
+    con.register("images", pads.dataset(f"{BUCKET}/whole/images", filesystem=fs))
+    n, tau = con.sql("select count(*), avg(mean_accept_len) from images").fetchall()[0]
     assert n == N and tau >= 1.0
     hf = datasets.Dataset(pads.dataset(f"{BUCKET}/whole/images", filesystem=fs).to_table())
     from PIL import Image
@@ -276,7 +274,7 @@ def test_bad_stores_are_refused_in_one_line_and_nothing_is_written_or_deleted(s3
     cases = [
         (["out_dir=nosuch://arspec/x"], "unknown scheme nosuch://"),
         (["out_dir=memory://arspec/x"], "a job writes to a memory:// prefix only where it can lock it"),
-        ([f"out_dir=s3://no-such-bucket/x"], "bucket 'no-such-bucket' does not exist"),
+        (["out_dir=s3://no-such-bucket/x"], "bucket 'no-such-bucket' does not exist"),
         ([f"out_dir=s3://{BUCKET}/theirs"], f"out_dir=s3://{BUCKET}/theirs is not a job's directory (job.json is "
                                             f"missing) and holds notes.txt: nothing was changed"),
         ([f"out_dir=s3://{BUCKET}/otherjob", "engine.sampling.cfg_scale=3.0"], "was written by a different config"),
