@@ -18,6 +18,7 @@ from actors.store import at
 from tests.conftest import REPO
 from workflows.config import ConfigError
 from workflows.generate import run
+from tests.test_reliability import fault  # noqa: F401 (the write-boundary fixture)
 
 BUCKET = "arspec"
 N = 8           # prompts: 4 parts of 2
@@ -344,3 +345,60 @@ def test_analyze_reads_a_run_on_s3_as_it_reads_the_same_run_on_disk(s3, whole, l
     runs = [facts(json.loads((d / "summary.json").read_text())["runs"][0]) for d in (got, want)]
     assert runs[0] == runs[1] and runs[0]["summary"][0]["images"] == N
     assert (got / "index.html").stat().st_size > 10_000
+
+
+def test_crash_at_every_write_boundary_on_s3_then_rerun_is_exact(s3, ray_cluster, tiny_weights, tmp_path, fault):
+    """tests/test_reliability.py's boundary test on the store: each batch of 2 built-in prompts stopped at a
+    different point of its part (before, midway through and after each object; after and midway through
+    its manifest line object). The rerun (batches of 4: other part names) regenerates exactly the
+    uncommitted parts, quarantines nothing, removes the uncommitted parts' objects, and equals a local run.
+    An images object written before the tokens one, or any object made visible before it is whole, leaves
+    a damaged committed part: quarantined, and this test fails."""
+    import torch
+
+    import actors.output as output
+    from actors.generator import Generator
+    from actors.pool import _record, part_name
+    from tests.test_reliability import PART_POINTS, Crash, pending_items
+    from workflows.config import to_object
+    from workflows.generate import check_out_dir, fingerprint
+    server, _ = s3
+    n = 26
+
+    def shapes(out, *extra):
+        return [f"model.weights_dir={tiny_weights}", f"out_dir={out}", "engine.sampling.cfg_scale=2.0",
+                "cluster.num_actors=1", f"data.limit={n}", *extra]
+    job(*shapes(tmp_path / "local", "cluster.batch_size=4"))
+    want = image_bytes(tmp_path / "local")
+    out = f"s3://{BUCKET}/crash"
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        c = to_object(compose("generate", overrides=shapes(out)))
+    items = pending_items(c)
+    check_out_dir(at(out), fingerprint(c))
+    threads = torch.get_num_threads()
+    gen = Generator(c, out)                           # the actor's code, in this process
+    torch.set_num_threads(threads)
+    plan = ["ok", "ok", *PART_POINTS, "after:manifest-line", "mid:manifest-line"]
+    for point, batch in zip(plan, [items[i:i + 2] for i in range(0, n, 2)]):
+        fault(point if point in PART_POINTS else None)
+        try:
+            res = gen.run(part_name(batch), batch)
+            fault(point if point != "ok" else None)
+            _record(out, res)
+        except Crash as e:
+            assert str(e) == point
+    fault(None)
+    assert len(output.read_manifest(out)) == 3          # 3 line objects; the one stopped midway is not there
+    s = job(*shapes(out, "cluster.batch_size=4"))
+    assert (s["already_done"], s["images"]) == (10, n - 10)   # ok, ok, after:images, both manifest-line points
+    keys = files(server, "crash")
+    assert not [k for k in keys if "/quarantine/" in k], keys
+    assert image_bytes(out) == want
+    parts = committed_parts(server, "crash")
+    for t in ("tokens", "errors"):       # the uncommitted parts' objects are gone
+        assert sorted(k.split("/")[-1] for k in keys if k.startswith(f"crash/{t}/")) == parts
+    manifest = [json.loads(x) for x in server.client().get_object(Bucket=BUCKET, Key="crash/manifest.jsonl")
+                ["Body"].read().splitlines()]
+    assert sorted(e["part"] + ".parquet" for e in manifest) == parts
+    from workflows.verify import main as verify
+    assert verify([f"out_dir={out}", "verify=full"]) == 0
