@@ -10,6 +10,7 @@ import sys
 import textwrap
 
 import pandas as pd
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from hydra import compose, initialize_config_dir
@@ -29,8 +30,9 @@ PROMPTS = [{"id": f"p{i}", "prompt": p} for i, p in enumerate(
 
 
 @pytest.fixture(scope="module")
-def s3(s3_server, tmp_path_factory):
-    """The server's AWS environment set for this module, its bucket, and the prompt file on it and on disk."""
+def s3(ray_cluster, s3_server, tmp_path_factory):
+    """The server's AWS environment set for this module, its bucket, and the prompt file on it and on disk.
+    (Ray starts first, without these variables: the job hands them to its actors.)"""
     with pytest.MonkeyPatch.context() as mp:
         for k, v in s3_server.env().items():
             mp.setenv(k, v)
@@ -38,6 +40,9 @@ def s3(s3_server, tmp_path_factory):
         c.create_bucket(Bucket=BUCKET)
         body = "".join(json.dumps(p) + "\n" for p in PROMPTS).encode()
         c.put_object(Bucket=BUCKET, Key="prompts/p.jsonl", Body=body)
+        sink = pa.BufferOutputStream()
+        pq.write_table(pa.Table.from_pylist(PROMPTS), sink, row_group_size=3)   # read by row groups
+        c.put_object(Bucket=BUCKET, Key="prompts/p.parquet", Body=sink.getvalue().to_pybytes())
         local = tmp_path_factory.mktemp("prompts") / "p.jsonl"
         local.write_bytes(body)
         yield s3_server, local
@@ -251,11 +256,49 @@ def test_second_job_on_a_held_prefix_is_refused_and_a_dead_or_silent_owner_taken
         {"host": "node-b", "pid": 1, "boot_id": "x", "started": "then", "token": "b"}).encode())
     with pytest.raises(LockHeld, match="in use by the job of pid 1 on host node-b"):
         job(*args(tiny_weights, out, f"s3://{BUCKET}/prompts/p.jsonl", "cluster.lock_timeout_s=60"))
-    time.sleep(2.5)
+    time.sleep(3)       # past lock_timeout_s=1 on the store's clock (whole seconds: Date, Last-Modified)
     caplog.set_level(logging.WARNING, logger="arspec.job")
-    job(*args(tiny_weights, out, f"s3://{BUCKET}/prompts/p.jsonl", "cluster.lock_timeout_s=2"))
+    job(*args(tiny_weights, out, f"s3://{BUCKET}/prompts/p.jsonl", "cluster.lock_timeout_s=1"))
     assert "pid 1 on host node-b started then, has been silent for" in caplog.text
     assert_complete(server, "held", reference)
+
+
+def test_lock_on_s3_takeover_race_and_a_lock_taken_away_stops_the_job(s3):
+    """Two jobs that judged the same lock stale: only one takeover goes through (If-Match on the ETag they
+    read). A job whose lock another took over sees it at its next heartbeat and stops (Stop requested), and
+    its heartbeat does not write over the new owner's lock."""
+    import time
+    from workflows.lock import ObjectLock, Stop
+    server, _ = s3
+    out = at(f"s3://{BUCKET}/race")
+    c = server.client()
+    c.put_object(Bucket=BUCKET, Key="race/job.lock", Body=json.dumps({"host": "node-b", "pid": 1, "token": "old"}).encode())
+    a, b = ObjectLock(out), ObjectLock(out)
+    judged = [x._read()[0] for x in (a, b)]
+    assert judged[0] == judged[1]
+    assert a._take_over(judged[0]) and not b._take_over(judged[1])
+    assert json.loads(c.get_object(Bucket=BUCKET, Key="race/job.lock")["Body"].read())["token"] == a.me["token"]
+    c.delete_object(Bucket=BUCKET, Key="race/job.lock")
+    stop = Stop(grace_s=0)
+    with ObjectLock(out, timeout_s=0.8, stop=stop) as lock:
+        etag = c.head_object(Bucket=BUCKET, Key="race/job.lock")["ETag"]
+        t0 = time.time()
+        while c.head_object(Bucket=BUCKET, Key="race/job.lock")["ETag"] == etag and time.time() - t0 < 30:
+            time.sleep(0.05)                                   # its heartbeat rewrites the lock (If-Match)
+        assert json.loads(c.get_object(Bucket=BUCKET, Key="race/job.lock")["Body"].read())["token"] == lock.me["token"]
+        c.put_object(Bucket=BUCKET, Key="race/job.lock", Body=json.dumps({"host": "node-c", "pid": 2, "token": "new"}).encode())
+        t0 = time.time()
+        while not stop and time.time() - t0 < 30:
+            time.sleep(0.05)
+        assert stop.reason == f"another job took over out_dir={out}"
+    assert json.loads(c.get_object(Bucket=BUCKET, Key="race/job.lock")["Body"].read())["token"] == "new"
+    # the same, one step at a time: neither a heartbeat nor the release touches a lock that is no longer ours
+    c.delete_object(Bucket=BUCKET, Key="race/job.lock")
+    lock = ObjectLock(out, timeout_s=600).acquire()
+    c.put_object(Bucket=BUCKET, Key="race/job.lock", Body=json.dumps({"host": "node-d", "pid": 3, "token": "d"}).encode())
+    lock._touch()
+    lock.release()
+    assert json.loads(c.get_object(Bucket=BUCKET, Key="race/job.lock")["Body"].read())["token"] == "d"
 
 
 def one_line(e) -> str:
@@ -309,7 +352,7 @@ def test_store_that_stops_mid_job_exits_in_one_line_and_the_rerun_finishes(s3, r
     one line; with the server back, every committed part is sound (nothing half-visible), and the rerun
     finishes byte-identical."""
     server, _ = s3
-    argv = args(tiny_weights, f"s3://{BUCKET}/outage", f"s3://{BUCKET}/prompts/p.jsonl",
+    argv = args(tiny_weights, f"s3://{BUCKET}/outage", f"s3://{BUCKET}/prompts/p.parquet",
                 f"cluster.address={ray_cluster.address}")
     try:
         r = driver("os.killpg(int(os.environ['WEED_PID']), signal.SIGTERM)", 1, argv,

@@ -381,9 +381,7 @@ class ObjectLock(OutDirLock):
                     raise LockHeld(f"out_dir={self.out_dir} is in use by {self.describe(owner)} (heartbeat "
                                    f"{age:.0f}s ago; lock {self.path}): wait for it to finish, stop it, or use "
                                    f"another out_dir") from None
-                try:     # replace exactly the lock judged stale: a fresher one changed its ETag
-                    self.etag = self._put(self.me, IfMatch=etag)
-                except ClientError:
+                if not self._take_over(etag):
                     continue
                 log.warning(f"[generate] taking over out_dir={self.out_dir}: its lock's owner, "
                             f"{self.describe(owner)}, {why}")
@@ -392,6 +390,16 @@ class ObjectLock(OutDirLock):
             self._beat.start()
             return self
         raise LockHeld(f"out_dir={self.out_dir}: other jobs keep taking its lock ({self.path}); start one job at a time")
+
+    def _take_over(self, judged: str) -> bool:
+        """Replace exactly the lock judged stale (its ETag `judged`): of two jobs that judged it, one wins;
+        a fresher lock (another ETag) is left alone. True if this job now holds it."""
+        from botocore.exceptions import ClientError
+        try:
+            self.etag = self._put(self.me, IfMatch=judged)
+            return True
+        except ClientError:
+            return False
 
     def _touch(self) -> None:
         """The heartbeat: rewrite the lock only while it is still the one this job wrote (If-Match)."""
