@@ -16,6 +16,10 @@ files without an images file), checks every committed part against its manifest 
 Parquet footers; `verify=full` also the checksums), and quarantines damaged ones, so that each prompt
 ends up in exactly one sound committed part. `FAULT` is the fault-injection hook the tests use to stop
 a writer at each of these boundaries.
+
+out_dir may be a prefix on an object store (actors/store.py; docs/design.md, "Commit protocol on an object
+store"): the same functions, with each file one PUT at its final key (no temporary names, no rename) and a
+part's manifest line its own object, manifest/PART.json, until `rewrite_manifest` folds it in.
 """
 from __future__ import annotations
 
@@ -268,9 +272,10 @@ def write_part(out_dir: Where, part: str, images: pa.Table, tokens: pa.Table, er
 
 
 def _lines(path: Where):
-    """The lines of a file, streamed from a disk (the whole object from a store)."""
+    """The lines of a file, streamed from a disk or a store."""
     if isinstance(path, ObjPath):
-        yield from io.BytesIO(path.read_bytes())
+        with io.BufferedReader(path.stream()) as f:
+            yield from f
         return
     with open(path, "rb") as f:
         yield from f
