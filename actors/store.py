@@ -4,7 +4,7 @@
 whatever pyarrow.fs.FileSystem.from_uri knows, or fsspec where pyarrow has no filesystem for the scheme.
 Credentials and the endpoint come from the standard environment (AWS_ACCESS_KEY_ID / _SECRET_ACCESS_KEY /
 _SESSION_TOKEN, AWS_PROFILE, AWS_REGION, AWS_ENDPOINT_URL for an S3-compatible store) or the URI's query
-(`s3://bucket/prefix?endpoint_override=http://host:port`).
+(`s3://bucket/prefix?endpoint_override=host:port&scheme=http`).
 
 ObjPath has the small part of pathlib's interface that actors/output.py uses (/, name, exists, read_bytes,
 stat, unlink, ...), so the commit protocol reads the same on both. What differs is in three functions:
@@ -275,7 +275,7 @@ def check_reachable(out: ObjPath, field: str = "out_dir") -> None:
             out.fs.get_file_info(pfs.FileSelector(out.key, allow_not_found=True, recursive=False))
     except OSError as e:
         msg = first_line(e)
-        if out.scheme in ("s3", "s3a") and not _has_aws_credentials():
+        if out.scheme == "s3" and not _has_aws_credentials():
             raise StoreConfigError(f"{field}={out}: no credentials found: set AWS_ACCESS_KEY_ID and "
                                    f"AWS_SECRET_ACCESS_KEY, or AWS_PROFILE ({msg})") from None
         hint = ("the credentials were refused: set AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (or AWS_PROFILE) to "

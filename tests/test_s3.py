@@ -301,6 +301,20 @@ def test_lock_on_s3_takeover_race_and_a_lock_taken_away_stops_the_job(s3):
     assert json.loads(c.get_object(Bucket=BUCKET, Key="race/job.lock")["Body"].read())["token"] == "d"
 
 
+def test_endpoint_in_the_uri_instead_of_the_environment(s3, whole, monkeypatch):
+    """s3://bucket/prefix?endpoint_override=host:port&scheme=http: the store's filesystem and the lock's
+    client both take the endpoint from the URI when AWS_ENDPOINT_URL is not set."""
+    from workflows.lock import ObjectLock
+    from workflows.verify import main as verify
+    server, _ = s3
+    monkeypatch.delenv("AWS_ENDPOINT_URL")
+    query = f"?endpoint_override={server.endpoint.split('://')[1]}&scheme=http"
+    assert verify([f"out_dir=s3://{BUCKET}/whole{query}", "verify=full"]) == 0
+    with ObjectLock(at(f"s3://{BUCKET}/uri{query}")):
+        assert "uri/job.lock" in files(server, "uri")
+    assert files(server, "uri") == {}
+
+
 def one_line(e) -> str:
     msg = str(e.value)
     assert "\n" not in msg, msg

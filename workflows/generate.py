@@ -67,7 +67,7 @@ def out_dir_of(c: GenerateConfig):
         out = at(c.out_dir)
     except StoreConfigError as e:
         raise ConfigError(f"out_dir={e}") from None
-    if isinstance(out, ObjPath) and out.scheme not in ("s3", "s3a"):   # workflows/lock.py ObjectLock
+    if isinstance(out, ObjPath) and out.scheme != "s3":   # workflows/lock.py ObjectLock
         raise ConfigError(f"out_dir={c.out_dir}: a job writes to a {out.scheme}:// prefix only where it can lock it "
                           f"against a second job (a conditional create), which it does on s3:// stores: use the "
                           f"store's S3 endpoint (s3:// with AWS_ENDPOINT_URL), or a local out_dir")

@@ -227,7 +227,12 @@ class OutDirLock:
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})     # SIGTERM is the main thread's (Stop)
         every = max(0.2, self.timeout_s / 4)
         while not self._done.wait(every):
-            if not self._owned():
+            try:
+                owned = self._owned()
+            except OutDirError as e:       # a store out of reach: the job's own writes will say so
+                log.warning(f"[generate] cannot read the lock {self.path}: {e}")
+                continue
+            if not owned:
                 if self.stop is not None:
                     self.stop.request(f"another job took over out_dir={self.out_dir}")
                 return
@@ -305,7 +310,7 @@ class ObjectLock(OutDirLock):
     def __init__(self, out_dir: ObjPath, timeout_s: float = 60.0, stop: Optional[Stop] = None):
         super().__init__(Path("."), timeout_s, stop)
         self.out_dir, self.path = out_dir, out_dir / "job.lock"
-        if out_dir.scheme not in ("s3", "s3a"):
+        if out_dir.scheme != "s3":
             raise LockUnsafe(f"out_dir={out_dir}: a {out_dir.scheme}:// prefix cannot be locked against a second job "
                              f"here (no conditional create): use an s3:// URI (an S3-compatible endpoint of the "
                              f"store, AWS_ENDPOINT_URL) or a local out_dir")
