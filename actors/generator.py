@@ -9,12 +9,12 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Optional
 
 import pyarrow as pa
 import torch
 
+from actors.store import at
 from actors.output import ERROR_SCHEMA, IMAGE_SCHEMA, png_bytes, token_table, write_part
 from decoding.engines import build_engine
 from decoding.engines.base import Outcome, Request, RequestQueue
@@ -89,7 +89,7 @@ class Generator:
         c = cfg.cluster
         self.token = token                  # the job's lock: no part is written once it is another job's
         torch.set_num_threads(c.torch_threads or max(1, int(c.num_cpus_per_actor)))
-        self.cfg, self.out_dir = cfg, Path(out_dir)
+        self.cfg, self.out_dir = cfg, at(out_dir)
         self.bundle = load_bundle(cfg.model)
         self.engine = build_engine(self.bundle, cfg.engine)
         self.slots = min(c.batch_size, prompts or c.batch_size)     # never more rows than prompts to decode

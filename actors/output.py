@@ -16,6 +16,10 @@ files without an images file), checks every committed part against its manifest 
 Parquet footers; `verify=full` also the checksums), and quarantines damaged ones, so that each prompt
 ends up in exactly one sound committed part. `FAULT` is the fault-injection hook the tests use to stop
 a writer at each of these boundaries.
+
+out_dir may be a prefix on an object store (actors/store.py; docs/design.md, "Commit protocol on an object
+store"): the same functions, with each file one PUT at its final key (no temporary names, no rename) and a
+part's manifest line its own object, manifest/PART.json, until `rewrite_manifest` folds it in.
 """
 from __future__ import annotations
 
@@ -27,7 +31,6 @@ import logging
 import os
 import re
 import secrets
-import shutil
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -38,6 +41,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from PIL import Image
 
+from actors.store import JobExit, ObjPath, OutDirError, Where, at, entries, move, put, source  # noqa: F401
 from decoding.engines.log import TOKEN_COLUMNS
 
 TABLES = ("images", "tokens", "errors")
@@ -56,9 +60,10 @@ def _names(*names: str) -> re.Pattern:
     return re.compile(rf"(?:{alts})|\.(?:{alts})\.\d+\.[0-9a-f]{{8}}\.tmp")
 
 
-START_NAMES = _names(r"job\.json", r"job\.lock", r"job\.lock\.stale-[0-9a-f]+")   # a job's first files
+START_NAMES = _names(r"job\.json", r"job\.lock", r"job\.lock\.(?:stale|probe)-[0-9a-f]+")   # a job's first files
 TOP_NAMES = _names(r"job\.json", r"manifest\.jsonl", r"summary\.json")
 TABLE_NAMES = _names(rf"{PART}\.parquet")
+LINE_NAMES = re.compile(rf"{PART}\.json")    # manifest/PART.json: a part's manifest line on an object store
 QUARANTINE_NAMES = re.compile(rf"{PART}(?:\.\d{{8}}T\d{{6}}\.[0-9a-f]{{4}})?\.parquet")
 
 # Fault injection (tests/test_reliability.py): called with "before:LABEL", "mid:LABEL" (half of the
@@ -72,35 +77,25 @@ def _boundary(point: str) -> None:
         FAULT(point)
 
 
-class JobExit(RuntimeError):
-    """Ends the job with one line (`prefix` + the message) and exit status `code` (workflows.generate)."""
-    code, prefix = 1, "error: "
-
-
-class OutDirError(JobExit):
-    """out_dir cannot be written: disk full, permission denied, read-only mount (exit 3)."""
-    code = 3
-
-
 class LockLost(JobExit):
     """Another job took over out_dir's lock (workflows/lock.py): this one commits nothing more (exit 143,
     as a stop)."""
     code, prefix = 143, ""
 
 
-def lock_token(out_dir: Path) -> Optional[str]:
+def lock_token(out_dir: Where) -> Optional[str]:
     """The token of the job that holds out_dir/job.lock now, or None."""
     try:
-        return json.loads((out_dir / "job.lock").read_bytes()).get("token")
+        return json.loads((at(out_dir) / "job.lock").read_bytes()).get("token")
     except (OSError, ValueError, AttributeError):
         return None
 
 
-def check_lock(out_dir: Path, token: Optional[str]) -> None:
+def check_lock(out_dir: Where, token: Optional[str]) -> None:
     """Before every commit (each file of a part, a manifest line, the end of the job): the job whose
     lock was taken over (it was silent, e.g. suspended) stops writing. token None: no lock to check."""
     if token is not None and lock_token(out_dir) != token:
-        raise LockLost(f"[generate] stopped: another job took over out_dir={out_dir} (its lock {out_dir / 'job.lock'} "
+        raise LockLost(f"[generate] stopped: another job took over out_dir={out_dir} (its lock {at(out_dir) / 'job.lock'} "
                        f"is no longer this job's); nothing more is written by this one")
 
 
@@ -192,11 +187,21 @@ def _fsync_dir(d: Path) -> None:
         os.close(fd)
 
 
-def write_chunks_atomic(chunks, path: Path, label: str) -> None:
+def write_chunks_atomic(chunks, path: Where, label: str) -> None:
     """Write the byte chunks (any iterable, so a large file streams) to a temporary name beside `path`,
     fsync, rename over `path`, fsync the directory. A crash at any moment leaves either the old file
-    (or none) or the whole new one under `path`."""
+    (or none) or the whole new one under `path`. On an object store: the chunks joined, one PUT at
+    `path` (actors/store.py `put`), which is visible only complete."""
     _boundary(f"before:{label}")
+    if isinstance(path, ObjPath):
+        data = bytearray()
+        for i, chunk in enumerate(chunks):
+            if i == 1:
+                _boundary(f"mid:{label}")     # nothing of it is visible yet
+            data += chunk
+        put(bytes(data), path)
+        _boundary(f"after:{label}")
+        return
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
     with storage(path):
         try:
@@ -216,7 +221,7 @@ def write_chunks_atomic(chunks, path: Path, label: str) -> None:
     _boundary(f"after:{label}")
 
 
-def write_bytes_atomic(data, path: Path, label: str) -> None:
+def write_bytes_atomic(data, path: Where, label: str) -> None:
     """`data` written atomically (write_chunks_atomic), in two halves so a crash can tear it midway."""
     view = memoryview(data)
     write_chunks_atomic((view[:len(view) // 2], view[len(view) // 2:]), path, label)
@@ -253,7 +258,7 @@ def file_info(data, rows: int) -> dict:
     return {"bytes": len(memoryview(data)), "rows": rows, "sha256": hashlib.sha256(data).hexdigest()}
 
 
-def write_part(out_dir: Path, part: str, images: pa.Table, tokens: pa.Table, errors: pa.Table,
+def write_part(out_dir: Where, part: str, images: pa.Table, tokens: pa.Table, errors: pa.Table,
                token: Optional[str] = None) -> dict:
     """Tokens, then errors, then images: the images file commits the part; each only while the job
     holds the lock `token` (check_lock). Returns each file's file_info for the manifest."""
@@ -266,27 +271,58 @@ def write_part(out_dir: Path, part: str, images: pa.Table, tokens: pa.Table, err
     return files
 
 
-def read_manifest(out_dir: Path) -> dict[str, int]:
+def _lines(path: Where):
+    """The lines of a file, streamed from a disk or a store."""
+    if isinstance(path, ObjPath):
+        with io.BufferedReader(path.stream()) as f:
+            yield from f
+        return
+    with open(path, "rb") as f:
+        yield from f
+
+
+def read_manifest(out_dir: Where) -> dict[str, int | str]:
     """part -> the byte offset of its last manifest line (lines a crash tore, or damage garbled, are
     skipped). Offsets, not entries: a resume of a large job holds a few bytes per part, never every
-    prompt id (docs/design.md, "Prompt streaming"); `manifest_line` reads one entry back."""
+    prompt id (docs/design.md, "Prompt streaming"); `manifest_line` reads one entry back. On an object
+    store (no appends) a part's line may also be its own object manifest/PART.json (`append_manifest`):
+    then its value is that name, and it wins over manifest.jsonl."""
+    out_dir = at(out_dir)
     listed = {}
     path = out_dir / "manifest.jsonl"
     if path.exists():
-        with open(path, "rb") as f:
-            offset = 0
-            for line in f:
-                try:
-                    listed[json.loads(line)["part"]] = offset
-                except (ValueError, KeyError, TypeError):
-                    pass
-                offset += len(line)
+        offset = 0
+        for line in _lines(path):
+            try:
+                listed[json.loads(line)["part"]] = offset
+            except (ValueError, KeyError, TypeError):
+                pass
+            offset += len(line)
+    if isinstance(out_dir, ObjPath):
+        listed.update({n[:-len(".json")]: n for n, kind in entries(out_dir / "manifest").items()
+                       if kind == "file" and LINE_NAMES.fullmatch(n)})
     return listed
 
 
-def manifest_line(out_dir: Path, offset: Optional[int]) -> Optional[dict]:
+def manifest_line(out_dir: Where, offset: int | str | None) -> Optional[dict]:
     if offset is None:
         return None
+    out_dir = at(out_dir)
+    if isinstance(offset, str):      # its own object (object stores)
+        try:
+            return json.loads((out_dir / "manifest" / offset).read_bytes())
+        except (FileNotFoundError, ValueError):
+            return None
+    if isinstance(out_dir, ObjPath):
+        with (out_dir / "manifest.jsonl").open_input() as f:
+            f.seek(offset)
+            line = b""
+            while not line.endswith(b"\n"):
+                chunk = f.read(1 << 16)
+                if not chunk:
+                    break
+                line += chunk.split(b"\n", 1)[0] + (b"\n" if b"\n" in chunk else b"")
+            return json.loads(line)
     with open(out_dir / "manifest.jsonl", "rb") as f:
         f.seek(offset)
         return json.loads(f.readline())
@@ -297,11 +333,17 @@ def manifest_entry(part: str, prompt_ids: list[str], images: int, errors: int, f
             "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
 
 
-def append_manifest(out_dir: Path, entry: dict) -> None:
+def append_manifest(out_dir: Where, entry: dict) -> None:
     """Append one committed part's line. A crash mid-line leaves a torn last line, which `recover`
-    drops (the part is then checked from its files and its line rewritten)."""
+    drops (the part is then checked from its files and its line rewritten). An object store has no
+    append: the line is its own object, manifest/PART.json, folded into manifest.jsonl by
+    `rewrite_manifest` (on start and at the end of the job)."""
+    out_dir = at(out_dir)
     path = out_dir / "manifest.jsonl"
     line = (json.dumps(entry) + "\n").encode()
+    if isinstance(out_dir, ObjPath):
+        write_bytes_atomic(line, out_dir / "manifest" / f"{entry['part']}.json", "manifest-line")
+        return
     _boundary("before:manifest-line")
     with storage(path), open(path, "ab") as f:
         f.write(line[:len(line) // 2])
@@ -313,7 +355,7 @@ def append_manifest(out_dir: Path, entry: dict) -> None:
     _boundary("after:manifest-line")
 
 
-def _check_file(path: Path, info: Optional[dict], full: bool) -> tuple[Optional[str], Optional[dict]]:
+def _check_file(path: Where, info: Optional[dict], full: bool) -> tuple[Optional[str], Optional[dict]]:
     """(reason it is damaged or None, its file_info). With a recorded `info`: size and footer row count,
     then `full`: the sha256, else (quick) the Parquet page checksums (CRC32 of every data page, which a
     same-size flip inside the data fails). Without one (the driver died before the manifest line, or the
@@ -324,13 +366,13 @@ def _check_file(path: Path, info: Optional[dict], full: bool) -> tuple[Optional[
         return "missing", None
     if info is not None and size != info.get("bytes"):
         return f"{size} bytes, the manifest recorded {info.get('bytes')}", None
+    data = path.read_bytes()
     try:
-        rows = pq.read_metadata(path).num_rows
+        rows = pq.read_metadata(pa.BufferReader(data)).num_rows
     except Exception as e:
         return f"unreadable Parquet footer ({str(e).splitlines()[0][:120]})", None
     if info is not None and rows != info.get("rows"):
         return f"{rows} rows, the manifest recorded {info.get('rows')}", None
-    data = path.read_bytes()
     if info is not None and full:
         ok = hashlib.sha256(data).hexdigest() == info.get("sha256")
         return (None, info) if ok else ("sha256 differs from the manifest", None)
@@ -347,10 +389,11 @@ def read_checked(source, columns=None) -> pa.Table:
     return pq.read_table(source, columns=columns, page_checksum_verification=True, use_threads=False)
 
 
-def check_part(out_dir: Path, part: str, entry: Optional[dict], full: bool) -> tuple[Optional[str], Optional[dict]]:
+def check_part(out_dir: Where, part: str, entry: Optional[dict], full: bool) -> tuple[Optional[str], Optional[dict]]:
     """(reason the part is damaged or None, its manifest entry, rebuilt from its files if it had none).
     A part without a sound entry is trusted only as far as its files can be checked alone: page
     checksums, and every PNG decoded."""
+    out_dir = at(out_dir)
     recorded = (entry or {}).get("files") or {}
     files = {}
     for table in WRITE_ORDER:
@@ -360,19 +403,21 @@ def check_part(out_dir: Path, part: str, entry: Optional[dict], full: bool) -> t
         files[table] = info
     if recorded and len(entry.get("prompt_ids") or []) == files["images"]["rows"] + files["errors"]["rows"]:
         return None, entry
-    images = read_checked(out_dir / "images" / f"{part}.parquet", columns=["prompt_id", "image"])
+    images = read_checked(source(out_dir / "images" / f"{part}.parquet"), columns=["prompt_id", "image"])
     for pid, image in zip(images.column("prompt_id").to_pylist(), images.column("image").to_pylist()):
         try:
             Image.open(io.BytesIO(image["bytes"])).load()
         except Exception as e:
             return f"images/{part}.parquet: the PNG of {pid!r} does not decode ({str(e).splitlines()[0][:80]})", None
     ids = [images.column("prompt_id").to_pylist(),
-           read_checked(out_dir / "errors" / f"{part}.parquet", columns=["prompt_id"]).column(0).to_pylist()]
+           read_checked(source(out_dir / "errors" / f"{part}.parquet"), columns=["prompt_id"]).column(0).to_pylist()]
     return None, {**manifest_entry(part, ids[0] + ids[1], len(ids[0]), len(ids[1]), files), "time": None}
 
 
-def quarantine(out_dir: Path, part: str, reason: str) -> Path:
-    """Move every file of `part` to out_dir/quarantine/TABLE/ (kept for inspection, out of the dataset)."""
+def quarantine(out_dir: Where, part: str, reason: str) -> Where:
+    """Move every file of `part` to out_dir/quarantine/TABLE/ (kept for inspection, out of the dataset),
+    its images file (the commit mark) first."""
+    out_dir = at(out_dir)
     q = out_dir / "quarantine"
     for table in TABLES:
         src = out_dir / table / f"{part}.parquet"
@@ -381,72 +426,73 @@ def quarantine(out_dir: Path, part: str, reason: str) -> Path:
             if dst.exists():
                 dst = dst.with_name(f"{part}.{time.strftime('%Y%m%dT%H%M%S')}.{secrets.token_hex(2)}.parquet")
             with storage(dst):
-                dst.parent.mkdir(parents=True, exist_ok=True)
-                shutil.move(src, dst)
+                move(src, dst)
     log.warning(f"[generate] quarantined {part}: {reason}; moved to {q}; prompts no sound part holds will be generated again")
     return q
 
 
-def survey(out_dir: Path) -> tuple[list[str], list[str]]:
+def survey(out_dir: Where) -> tuple[list[str], list[str]]:
     """What out_dir holds, by the names above: (a job's files beyond its first ones: parts, manifest,
     summary, quarantine; entries no job writes), as paths relative to out_dir, sorted."""
+    out_dir = at(out_dir)
     written, foreign = [], []
-    for e in sorted(os.scandir(out_dir), key=lambda e: e.name):
-        kind = "dir" if e.is_dir(follow_symlinks=False) else "file" if e.is_file(follow_symlinks=False) else "other"
-        if kind == "file" and START_NAMES.fullmatch(e.name):
+    subdirs = {**{t: TABLE_NAMES for t in TABLES}, "manifest": LINE_NAMES} if isinstance(out_dir, ObjPath) \
+        else {t: TABLE_NAMES for t in TABLES}
+    for name, kind in sorted(entries(out_dir).items()):
+        if kind == "file" and START_NAMES.fullmatch(name):
             continue
-        if kind == "file" and TOP_NAMES.fullmatch(e.name):
-            written.append(e.name)
-        elif kind == "dir" and e.name in TABLES:
-            inner = {f.name: f.is_file(follow_symlinks=False) for f in os.scandir(e.path)}
-            written += [f"{e.name}/{n}" for n, f in sorted(inner.items()) if f and TABLE_NAMES.fullmatch(n)]
-            foreign += [f"{e.name}/{n}" for n, f in sorted(inner.items()) if not (f and TABLE_NAMES.fullmatch(n))]
-        elif kind == "dir" and e.name == "quarantine":
-            for t in sorted(os.scandir(e.path), key=lambda t: t.name):
-                ok = t.name in TABLES and t.is_dir(follow_symlinks=False)
-                names = sorted(os.listdir(t.path)) if ok else []
-                written += [f"quarantine/{t.name}/{n}" for n in names if QUARANTINE_NAMES.fullmatch(n)]
-                foreign += [f"quarantine/{t.name}/{n}" for n in names if not QUARANTINE_NAMES.fullmatch(n)]
+        if kind == "file" and TOP_NAMES.fullmatch(name):
+            written.append(name)
+        elif kind == "dir" and name in subdirs:
+            inner = {n: k == "file" for n, k in entries(out_dir / name).items()}
+            written += [f"{name}/{n}" for n, f in sorted(inner.items()) if f and subdirs[name].fullmatch(n)]
+            foreign += [f"{name}/{n}" for n, f in sorted(inner.items()) if not (f and subdirs[name].fullmatch(n))]
+        elif kind == "dir" and name == "quarantine":
+            for t, tkind in sorted(entries(out_dir / name).items()):
+                ok = t in TABLES and tkind == "dir"
+                names = sorted(entries(out_dir / name / t)) if ok else []
+                written += [f"quarantine/{t}/{n}" for n in names if QUARANTINE_NAMES.fullmatch(n)]
+                foreign += [f"quarantine/{t}/{n}" for n in names if not QUARANTINE_NAMES.fullmatch(n)]
                 if not ok:
-                    foreign.append(f"quarantine/{t.name}")
+                    foreign.append(f"quarantine/{t}")
         else:
-            foreign.append(e.name + ("/" if kind == "dir" else ""))
+            foreign.append(name + ("/" if kind == "dir" else ""))
     return written, foreign
 
 
-def remove_leftovers(out_dir: Path, parts=None) -> None:
+def remove_leftovers(out_dir: Where, parts=None) -> None:
     """Remove the temporary files of interrupted writes, and the tokens/errors files of parts never
     committed (no images file; `parts`: the committed parts, by default those with an images file).
     Only names a job writes (above) are touched. Run on start (`recover`) and when a job ends, its
     actors gone: a writer killed mid-part (a lost node, SIGTERM with no grace left) leaves these, and
-    no one else will. Never while writers run."""
+    no one else will. Never while writers run. (On an object store nothing is ever written under a
+    temporary name; the uncommitted parts' tokens/errors objects are all there is to remove.)"""
+    out_dir = at(out_dir)
     if parts is None:
         parts = {f.stem for f in _part_files(out_dir / "images")}
-    leftovers = [out_dir / n for n in os.listdir(out_dir) if n.endswith(".tmp") and TOP_NAMES.fullmatch(n)] \
-        if out_dir.is_dir() else []
+    leftovers = [out_dir / n for n in entries(out_dir) if n.endswith(".tmp") and TOP_NAMES.fullmatch(n)]
     for table in TABLES:
         d = out_dir / table
-        if d.is_dir():
-            leftovers += [d / n for n in os.listdir(d) if TABLE_NAMES.fullmatch(n)
-                          and (n.endswith(".tmp") or (table != "images" and n[:-len(".parquet")] not in parts))]
+        leftovers += [d / n for n in entries(d) if TABLE_NAMES.fullmatch(n)
+                      and (n.endswith(".tmp") or (table != "images" and n[:-len(".parquet")] not in parts))]
     for f in leftovers:
         with storage(f):
             f.unlink(missing_ok=True)
 
 
-def _part_files(d: Path) -> list[Path]:
+def _part_files(d: Where) -> list[Where]:
     """The part files in d (sorted by name, i.e. by START), never another file someone put there."""
-    return sorted(d / n for n in os.listdir(d) if n.endswith(".parquet") and TABLE_NAMES.fullmatch(n)) \
-        if d.is_dir() else []
+    return [d / n for n in sorted(entries(d)) if n.endswith(".parquet") and TABLE_NAMES.fullmatch(n)]
 
 
-def inspect(out_dir: Path, verify: str = "quick") -> tuple[dict[str, int], dict[str, str]]:
+def inspect(out_dir: Where, verify: str = "quick") -> tuple[dict[str, int], dict[str, str]]:
     """Check every committed part (an images file) without changing anything: (sound parts -> their
     number of prompts, damaged parts -> the reason). Damaged: a file missing, of the wrong size or row
     count, an unreadable footer, with `verify=full` a checksum differing; or a part whose positions
     overlap an earlier one's (two jobs that once wrote the same out_dir)."""
     if verify not in VERIFY_MODES:
         raise ValueError(f"verify={verify!r}: choose one of {', '.join(VERIFY_MODES)}")
+    out_dir = at(out_dir)
     return _inspect(out_dir, verify == "full", read_manifest(out_dir))[:2]
 
 
@@ -472,9 +518,10 @@ def _inspect(out_dir: Path, full: bool, listed: dict[str, int]):
     return parts, damaged, rebuilt
 
 
-def recover(out_dir: Path, verify: str = "quick") -> dict[str, int]:
+def recover(out_dir: Where, verify: str = "quick") -> dict[str, int]:
     """On start: quarantine the damaged parts (one line each), remove crash leftovers, rewrite the
     manifest to list exactly the sound committed parts, and return them (part -> number of prompts)."""
+    out_dir = at(out_dir)
     if verify not in VERIFY_MODES:
         raise ValueError(f"verify={verify!r}: choose one of {', '.join(VERIFY_MODES)}")
     lines = read_manifest(out_dir)
@@ -490,29 +537,47 @@ def recover(out_dir: Path, verify: str = "quick") -> dict[str, int]:
     return parts
 
 
-def rewrite_manifest(out_dir: Path, parts, lines: dict[str, int], rebuilt: dict[str, dict]) -> None:
+def rewrite_manifest(out_dir: Where, parts, lines: dict[str, int | str], rebuilt: dict[str, dict]) -> None:
     """The manifest listing exactly `parts`, written atomically and streamed: each part's last line is
-    copied from the old manifest (`lines`: offsets), or written from `rebuilt` when it had none."""
+    copied from the old manifest (`lines`: offsets, or on an object store manifest/PART.json names), or
+    written from `rebuilt` when it had none. Then the folded manifest/PART.json objects are deleted."""
+    out_dir = at(out_dir)
     path = out_dir / "manifest.jsonl"
-    keep = {off for part, off in lines.items() if part in parts and part not in rebuilt}
+    keep = {off for part, off in lines.items() if part in parts and part not in rebuilt and isinstance(off, int)}
+    objects = {part: n for part, n in lines.items() if isinstance(n, str)}
 
     def chunks():
         if keep:
-            with open(path, "rb") as f:
-                offset = 0
-                for line in f:
-                    if offset in keep:
-                        yield line if line.endswith(b"\n") else line + b"\n"
-                    offset += len(line)
+            offset = 0
+            for line in _lines(path):
+                if offset in keep:
+                    yield line if line.endswith(b"\n") else line + b"\n"
+                offset += len(line)
+        for part, n in objects.items():
+            e = manifest_line(out_dir, n) if part in parts and part not in rebuilt else None
+            if e is not None:
+                yield (json.dumps(e) + "\n").encode()
         for part, e in rebuilt.items():
             if part in parts:
                 yield (json.dumps(e) + "\n").encode()
         yield b""      # at least two chunks, so the fault hook's "mid" point exists
         yield b""
     write_chunks_atomic(chunks(), path, "manifest")
+    for n in objects.values():     # folded into manifest.jsonl (or their parts are gone)
+        (out_dir / "manifest" / n).unlink(missing_ok=True)
 
 
-def committed(out_dir: Path) -> dict[str, list[str]]:
+def fold_manifest(out_dir: Where) -> None:
+    """On an object store, at the end of a job: the parts' manifest/PART.json lines folded into
+    manifest.jsonl (one PUT), so a reader finds one manifest as on a disk. Nothing to do on a disk."""
+    out_dir = at(out_dir)
+    if isinstance(out_dir, ObjPath):
+        lines = read_manifest(out_dir)
+        if any(isinstance(v, str) for v in lines.values()):
+            rewrite_manifest(out_dir, set(lines), lines, {})
+
+
+def committed(out_dir: Where) -> dict[str, list[str]]:
     """part name -> prompt ids (images and errors) of every sound committed part, read from the
     manifest after `recover` (for tests and small jobs: it holds every id)."""
     parts = recover(out_dir)

@@ -18,6 +18,7 @@ batches may finish until its deadline, then the actors are killed (their parts s
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections import deque
 from pathlib import Path
@@ -27,6 +28,7 @@ import ray
 from ray.exceptions import RayActorError, RayTaskError
 
 from actors.generator import Generator, PartResult
+from actors.store import is_remote
 from actors.output import (ERROR_SCHEMA, IMAGE_SCHEMA, TOKEN_SCHEMA, JobExit, append_manifest, check_lock,
                            check_part, manifest_entry, part_name, write_part)
 
@@ -122,10 +124,14 @@ def run_batches(cfg, out_dir: Path, batches, progress, placements: list, stop=No
     c = cfg.cluster
     actor_cls = ray.remote(Generator)
 
+    # an object-store out_dir: the actors write with the driver's store settings (credentials, endpoint)
+    env = {k: v for k, v in os.environ.items() if k.startswith("AWS_")} if is_remote(out_dir) else {}
+
     def spawn(a: int):
         return actor_cls.options(num_cpus=c.num_cpus_per_actor, num_gpus=c.num_gpus_per_actor,
                                  max_restarts=c.max_actor_restarts, max_task_retries=c.max_actor_restarts,
                                  max_concurrency=IN_FLIGHT_PER_ACTOR + 1,   # its parts share the engine's rows
+                                 runtime_env={"env_vars": env} if env else None,
                                  scheduling_strategy=placements[a]).remote(cfg, str(out_dir), token, prompts)
 
     n = len(placements)

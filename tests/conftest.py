@@ -121,3 +121,13 @@ def ray_cluster():
     yield cluster
     ray.shutdown()
     cluster.shutdown()
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory):
+    """A real S3 server (SeaweedFS, tests/seaweed.py) for the object-store tests, stopped by its PID at the end."""
+    from tests.seaweed import Seaweed
+    server = Seaweed(tmp_path_factory.mktemp("seaweed"))
+    server.start()
+    yield server
+    server.stop()

@@ -15,7 +15,6 @@ import math
 import os
 import sys
 import time
-from pathlib import Path
 from typing import Optional
 
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")   # before anything can import ray
@@ -47,7 +46,7 @@ def _flat(d: dict, prefix: str = "") -> dict:
     return out
 
 
-def _job_json(out_dir: Path) -> tuple[Optional[dict], str]:
+def _job_json(out_dir) -> tuple[Optional[dict], str]:
     """(the settings job.json records, or None; what is wrong with it: "" or why it is not a job's)."""
     path = out_dir / "job.json"
     if not path.is_file():
@@ -61,17 +60,38 @@ def _job_json(out_dir: Path) -> tuple[Optional[dict], str]:
     return job, ""
 
 
-def claim_out_dir(out_dir: Path) -> None:
+def out_dir_of(c: GenerateConfig):
+    """out_dir as a Path, or an ObjPath for a URI (actors/store.py); a scheme no filesystem knows is one line."""
+    from actors.store import ObjPath, StoreConfigError, at
+    try:
+        out = at(c.out_dir)
+    except StoreConfigError as e:
+        raise ConfigError(f"out_dir={e}") from None
+    if isinstance(out, ObjPath) and out.scheme != "s3":   # workflows/lock.py ObjectLock
+        raise ConfigError(f"out_dir={c.out_dir}: a job writes to a {out.scheme}:// prefix only where it can lock it "
+                          f"against a second job (a conditional create), which it does on s3:// stores: use the "
+                          f"store's S3 endpoint (s3:// with AWS_ENDPOINT_URL), or a local out_dir")
+    return out
+
+
+def claim_out_dir(out_dir) -> None:
     """A job writes only into an absent or empty directory, or one that is recognisably a job's: its
     job.json, or no more than what a job's first moments leave (its lock, job.json's temporary file).
-    Anything else is refused in one line naming what was found, before anything is written there."""
+    Anything else is refused in one line naming what was found, before anything is written there. On an
+    object store the same, by listing the prefix, after checking its bucket and credentials."""
     from actors.output import survey
-    if not out_dir.exists():
+    from actors.store import ObjPath, StoreConfigError, check_reachable
+    if isinstance(out_dir, ObjPath):
+        try:
+            check_reachable(out_dir)
+        except StoreConfigError as e:
+            raise ConfigError(str(e)) from None
+    elif not out_dir.exists():
         parent = next((p for p in out_dir.absolute().parents if p.exists()), None)
         if parent is not None and not parent.is_dir():
             raise ConfigError(f"out_dir={out_dir}: {parent} is a file, not a directory: use a path under a directory")
         return
-    if not out_dir.is_dir():
+    elif not out_dir.is_dir():
         raise ConfigError(f"out_dir={out_dir} is a file, not a directory: use a new or empty directory")
     job, problem = _job_json(out_dir)
     written, foreign = survey(out_dir)
@@ -91,7 +111,7 @@ def claim_out_dir(out_dir: Path) -> None:
         log.warning(f"[generate] {out_dir / 'job.json'} {problem} and nothing else is committed: writing it again")
 
 
-def check_out_dir(out_dir: Path, fp: dict) -> None:
+def check_out_dir(out_dir, fp: dict) -> None:
     """job.json records `fp` (written atomically: actors/output.py); a rerun must match it. (That the
     out_dir is a job's at all is claim_out_dir's check, made before the lock is written.)"""
     from actors.output import write_bytes_atomic
@@ -313,7 +333,7 @@ def plan_job(c: GenerateConfig, verify: str = "quick"):
     from workflows.plan import CommittedIndex, Plan
     from workflows.prompts import PromptSource
     source = PromptSource(c.data)
-    out_dir, fp = Path(c.out_dir), fingerprint(c)
+    out_dir, fp = out_dir_of(c), fingerprint(c)
     started = _job_json(out_dir)[0] is not None    # else nothing is committed (claim_out_dir)
     if started:
         check_out_dir(out_dir, fp)
@@ -337,20 +357,20 @@ def plan_job(c: GenerateConfig, verify: str = "quick"):
 
 
 def run(cfg: DictConfig) -> dict:
-    from workflows.lock import OutDirLock, Stop, on_sigterm
+    from workflows.lock import Stop, on_sigterm, out_dir_lock
     c: GenerateConfig = to_object(cfg)
     validate(c)
     if c.cluster.address is None and "ray" not in sys.modules:    # before ray is imported (start_ray)
         os.environ[LOOPBACK_ENV[0]] = LOOPBACK_ENV[1]
-    out_dir = Path(c.out_dir)
+    out_dir = out_dir_of(c)
     claim_out_dir(out_dir)
     stop = Stop(c.cluster.grace_s)
-    with on_sigterm(stop), OutDirLock(out_dir, c.cluster.lock_timeout_s, stop) as lock:   # workflows/lock.py
+    with on_sigterm(stop), out_dir_lock(out_dir, c.cluster.lock_timeout_s, stop) as lock:   # workflows/lock.py
         return _generate(c, out_dir, stop, lock.me["token"])
 
 
-def _generate(c: GenerateConfig, out_dir: Path, stop, token: Optional[str] = None) -> dict:
-    from actors.output import check_lock, remove_leftovers, write_bytes_atomic
+def _generate(c: GenerateConfig, out_dir, stop, token: Optional[str] = None) -> dict:
+    from actors.output import check_lock, fold_manifest, remove_leftovers, write_bytes_atomic
     from actors.pool import ActorStartError, Progress, run_batches
     from workflows.lock import Preempted
     plan = plan_job(c, c.verify)
@@ -389,6 +409,7 @@ def _generate(c: GenerateConfig, out_dir: Path, stop, token: Optional[str] = Non
                 ray.shutdown()
         check_lock(out_dir, token)
         remove_leftovers(out_dir)    # what writers killed mid-part (a lost node, a stop) left behind
+        fold_manifest(out_dir)       # object stores: the parts' manifest/PART.json into manifest.jsonl
     summary = summarize(tally, c, st.prompts, st.already, time.time() - t0, ray_start_s, t0 + ray_start_s, actors)
     summary["stopped"] = stop.reason
     summary["resolved"] = (_job_json(out_dir)[0] or {}).get("resolved")     # device and dtype (check_resolved)

@@ -14,6 +14,14 @@ every `timeout_s / 4` seconds (its mtime is the heartbeat). A second job finds i
 A lock that cannot be written (disk full) is removed again, and one that cannot be removed (out_dir
 became read-only) is a dead owner's, taken over at once by the next job on this host.
 
+`ObjectLock`: the same lock on an S3 prefix (actors/store.py), with the store's conditional requests in
+place of O_EXCL and rename: created with If-None-Match: * (a second create fails), the heartbeat and a
+takeover are PUTs with If-Match: the ETag read (the one that loses the race fails), the age is the
+server's Date minus the lock's Last-Modified (no clock of this host is compared with the store's), and
+the release is a DELETE with If-Match. A store that ignores If-None-Match (checked with a probe key
+before the lock is written) or a scheme without conditional writes here (gs://, other fsspec stores)
+is refused in one line: two jobs could not be kept apart.
+
 `Stop`: the reason the job must stop (SIGTERM, or the lock lost) and the deadline of its grace period;
 actors/pool.py reads it between results.
 """
@@ -32,7 +40,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Optional
 
-from actors.output import JobExit, lock_token, storage
+from actors.output import JobExit, OutDirError, lock_token, storage
+from actors.store import ObjPath, first_line
 
 log = logging.getLogger("arspec.job")
 _HELD: set[str] = set()   # tokens of the locks this process holds now
@@ -218,14 +227,22 @@ class OutDirLock:
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})     # SIGTERM is the main thread's (Stop)
         every = max(0.2, self.timeout_s / 4)
         while not self._done.wait(every):
-            if not self._owned():
+            try:
+                owned = self._owned()
+            except OutDirError as e:       # a store out of reach: the job's own writes will say so
+                log.warning(f"[generate] cannot read the lock {self.path}: {e}")
+                continue
+            if not owned:
                 if self.stop is not None:
                     self.stop.request(f"another job took over out_dir={self.out_dir}")
                 return
-            try:
-                os.utime(self.path)
-            except OSError as e:
-                log.warning(f"[generate] cannot touch the lock {self.path}: {e}")
+            self._touch()
+
+    def _touch(self) -> None:
+        try:
+            os.utime(self.path)
+        except OSError as e:
+            log.warning(f"[generate] cannot touch the lock {self.path}: {e}")
 
     def release(self) -> None:
         self._done.set()
@@ -257,3 +274,155 @@ class on_sigterm:
 
     def __exit__(self, *exc) -> None:
         self.stop.restore()
+
+
+class LockUnsafe(JobExit):
+    """out_dir is on a store where two jobs cannot be kept apart (exit 4)."""
+    code = 4
+
+
+def out_dir_lock(out_dir, timeout_s: float = 60.0, stop: Optional[Stop] = None) -> "OutDirLock":
+    """The lock for out_dir: a file on a disk, conditional requests on an S3 store."""
+    return ObjectLock(out_dir, timeout_s, stop) if isinstance(out_dir, ObjPath) else OutDirLock(out_dir, timeout_s, stop)
+
+
+def s3_client(out_dir: ObjPath):
+    """A boto3 S3 client for out_dir's store: the same environment (AWS_* variables, profile) pyarrow reads,
+    and its endpoint (the URI's endpoint_override, else AWS_ENDPOINT_URL, which boto3 reads itself)."""
+    from urllib.parse import parse_qs
+    try:
+        import boto3
+        from botocore.config import Config
+    except ImportError:
+        raise LockUnsafe(f"out_dir={out_dir}: locking an s3:// out_dir needs boto3 (pip install 'arspec[s3]')") from None
+    q = {k: v[-1] for k, v in parse_qs(out_dir.query.lstrip("?")).items()}
+    endpoint = q.get("endpoint_override")
+    if endpoint and "://" not in endpoint:
+        endpoint = f"{q.get('scheme', 'https')}://{endpoint}"
+    return boto3.client("s3", endpoint_url=endpoint, region_name=q.get("region") or os.environ.get("AWS_REGION")
+                        or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1",
+                        config=Config(retries={"max_attempts": 2}, connect_timeout=5, read_timeout=20))
+
+
+class ObjectLock(OutDirLock):
+    """OutDirLock's rules on an S3 prefix: conditional PUT / DELETE instead of O_EXCL and rename (module doc)."""
+
+    def __init__(self, out_dir: ObjPath, timeout_s: float = 60.0, stop: Optional[Stop] = None):
+        super().__init__(Path("."), timeout_s, stop)
+        self.out_dir, self.path = out_dir, out_dir / "job.lock"
+        if out_dir.scheme != "s3":
+            raise LockUnsafe(f"out_dir={out_dir}: a {out_dir.scheme}:// prefix cannot be locked against a second job "
+                             f"here (no conditional create): use an s3:// URI (an S3-compatible endpoint of the "
+                             f"store, AWS_ENDPOINT_URL) or a local out_dir")
+        self.client, self.bucket = s3_client(out_dir), out_dir.bucket
+        self.key = self.path.key.split("/", 1)[1]
+        self.etag: Optional[str] = None
+
+    # -- one request each; a store error other than a failed condition ends the job in one line
+    def _call(self, op: str, **kw):
+        from botocore.exceptions import BotoCoreError, ClientError
+        try:
+            return getattr(self.client, op)(Bucket=self.bucket, **kw)
+        except ClientError as e:
+            code = e.response.get("Error", {}).get("Code", "")
+            if code in ("PreconditionFailed", "ConditionalRequestConflict", "412", "409", "NoSuchKey", "404"):
+                raise
+            raise OutDirError(f"cannot write the lock {self.path}: {code or first_line(e)}; check the store "
+                              f"(credentials, endpoint), then rerun the same command") from None
+        except BotoCoreError as e:
+            raise OutDirError(f"cannot reach {self.path}: {first_line(e)}; check the store (endpoint, network), "
+                              f"then rerun the same command") from None
+
+    @staticmethod
+    def _failed(e) -> Optional[str]:
+        from botocore.exceptions import ClientError
+        return e.response.get("Error", {}).get("Code", "") if isinstance(e, ClientError) else None
+
+    def _put(self, body: dict, **cond) -> str:
+        return self._call("put_object", Key=self.key, Body=json.dumps(body).encode(), **cond)["ETag"]
+
+    def _check_conditional_create(self) -> None:
+        """A probe key created twice with If-None-Match: *: a store that lets the second through cannot
+        keep two jobs apart."""
+        from botocore.exceptions import ClientError
+        probe = self.key.rsplit("/", 1)[0] + f"/job.lock.probe-{self.me['token']}"
+        self._call("put_object", Key=probe, Body=b"", IfNoneMatch="*")
+        try:
+            self._call("put_object", Key=probe, Body=b"", IfNoneMatch="*")
+            honoured = False
+        except ClientError:
+            honoured = True
+        self._call("delete_object", Key=probe)
+        if not honoured:
+            raise LockUnsafe(f"out_dir={self.out_dir}: this store ignores conditional creates (If-None-Match: *), so "
+                             f"a second job could not be refused: use a store that honours them, or a local out_dir")
+
+    def _read(self) -> tuple[str, dict, float]:
+        from email.utils import parsedate_to_datetime
+        r = self._call("get_object", Key=self.key)
+        raw = r["Body"].read()
+        now = parsedate_to_datetime(r["ResponseMetadata"]["HTTPHeaders"]["date"])
+        try:
+            owner = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            owner = {}
+        return r["ETag"], owner if isinstance(owner, dict) else {}, (now - r["LastModified"]).total_seconds()
+
+    def acquire(self) -> "ObjectLock":
+        from botocore.exceptions import ClientError
+        self._check_conditional_create()
+        for _ in range(5):
+            try:
+                self.etag = self._put(self.me, IfNoneMatch="*")
+            except ClientError as e:
+                if self._failed(e) not in ("PreconditionFailed", "ConditionalRequestConflict", "412", "409"):
+                    raise
+                try:
+                    etag, owner, age = self._read()
+                except ClientError:
+                    continue                      # released meanwhile
+                why = self._why_stale(owner, age)
+                if why is None:
+                    raise LockHeld(f"out_dir={self.out_dir} is in use by {self.describe(owner)} (heartbeat "
+                                   f"{age:.0f}s ago; lock {self.path}): wait for it to finish, stop it, or use "
+                                   f"another out_dir") from None
+                if not self._take_over(etag):
+                    continue
+                log.warning(f"[generate] taking over out_dir={self.out_dir}: its lock's owner, "
+                            f"{self.describe(owner)}, {why}")
+            _HELD.add(self.me["token"])
+            self._beat = threading.Thread(target=self._heartbeat, daemon=True, name="out_dir-lock")
+            self._beat.start()
+            return self
+        raise LockHeld(f"out_dir={self.out_dir}: other jobs keep taking its lock ({self.path}); start one job at a time")
+
+    def _take_over(self, judged: str) -> bool:
+        """Replace exactly the lock judged stale (its ETag `judged`): of two jobs that judged it, one wins;
+        a fresher lock (another ETag) is left alone. True if this job now holds it."""
+        from botocore.exceptions import ClientError
+        try:
+            self.etag = self._put(self.me, IfMatch=judged)
+            return True
+        except ClientError:
+            return False
+
+    def _touch(self) -> None:
+        """The heartbeat: rewrite the lock only while it is still the one this job wrote (If-Match)."""
+        from botocore.exceptions import ClientError
+        try:
+            self.etag = self._put({**self.me, "beat": time.strftime("%Y-%m-%dT%H:%M:%S%z")}, IfMatch=self.etag)
+        except (ClientError, OutDirError) as e:
+            log.warning(f"[generate] cannot touch the lock {self.path}: {first_line(e)}")
+
+    def release(self) -> None:
+        from botocore.exceptions import ClientError
+        self._done.set()
+        if self._beat is not None:
+            self._beat.join(timeout=5)
+        _HELD.discard(self.me["token"])
+        if self.etag is None:
+            return
+        try:
+            self._call("delete_object", Key=self.key, IfMatch=self.etag)
+        except (ClientError, OutDirError):     # taken over (not ours), or the store is gone: the lock stays
+            pass

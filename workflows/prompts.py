@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import csv
 import hashlib
+import io
 import json
 from itertools import islice
-from pathlib import Path
 from typing import Iterator, Optional
 
 import numpy as np
@@ -59,6 +59,19 @@ def _prompt(value):
     return str(value) if isinstance(value, int) and not isinstance(value, bool) else value
 
 
+def text(path, newline=None):
+    """A text file opened for streaming, from a disk or an object store (actors/store.py)."""
+    from actors.store import ObjPath
+    if isinstance(path, ObjPath):
+        return io.TextIOWrapper(io.BufferedReader(path.stream()), encoding="utf-8", newline=newline)
+    return open(path, encoding="utf-8", newline=newline)
+
+
+def source(path):
+    from actors.store import source as src
+    return src(path)
+
+
 class PromptSource:
     """A prompt set, read a chunk at a time. Opening it checks the file and its columns (ConfigError);
     `chunks()` yields lists of {"prompt_id", "prompt", "split"} in file order, at most cfg.limit rows in
@@ -87,7 +100,11 @@ class PromptSource:
         cfg = self.cfg
         if not cfg.path:
             raise ConfigError("data.path is not set: point it at a prompt file (Parquet, CSV, TSV, JSONL or JSON)")
-        self.path = path = Path(cfg.path).expanduser()
+        from actors.store import StoreConfigError, at
+        try:       # a local path, or a URI: s3://bucket/prompts.parquet (streamed from the store as from a disk)
+            self.path = path = at(cfg.path)
+        except StoreConfigError as e:
+            raise ConfigError(f"data.path={e}") from None
         if path.is_dir():
             raise ConfigError(f"data.path={cfg.path}: is a directory; point it at a prompt file in it "
                               f"({', '.join(FORMATS)})")
@@ -122,7 +139,7 @@ class PromptSource:
     def _columns(self) -> Optional[list[str]]:
         """The file's column names (None: it holds no rows), from its schema or first row only."""
         if self.suffix == ".parquet":
-            meta = pq.ParquetFile(self.path).metadata
+            meta = pq.ParquetFile(source(self.path)).metadata
             self.total = meta.num_rows
             return meta.schema.to_arrow_schema().names if meta.num_rows else None
         first = next(iter(self._raw_rows()), None)
@@ -133,18 +150,18 @@ class PromptSource:
     def _raw_rows(self) -> Iterator[dict]:
         """Rows as dicts, streamed (Parquet by record batches of the columns used; text line by line)."""
         if self.suffix == ".parquet":
-            f = pq.ParquetFile(self.path)
+            f = pq.ParquetFile(source(self.path))
             cols = [c for c in (self.prompt_col, self.cfg.id_column, "split" if self.has_split else None) if c]
             for batch in f.iter_batches(batch_size=CHUNK, columns=list(dict.fromkeys(cols))):
                 yield from batch.to_pylist()
         elif self.suffix in (".csv", ".tsv"):
-            with open(self.path, newline="", encoding="utf-8") as fh:
+            with text(self.path, newline="") as fh:
                 if self.suffix == ".tsv":
                     yield from csv.DictReader(fh, delimiter="\t", quoting=csv.QUOTE_NONE)
                 else:
                     yield from csv.DictReader(fh)
         elif self.suffix == ".jsonl":
-            with open(self.path, encoding="utf-8") as fh:
+            with text(self.path) as fh:
                 for n, line in enumerate(fh, 1):
                     if line.strip():
                         try:

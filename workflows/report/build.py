@@ -42,6 +42,10 @@ class ReportConfig:
 
 
 def default_out(paths: list[Path]) -> Path:
+    """Beside the run(s); for runs on an object store a local folder, reports/<their names>."""
+    from actors.store import ObjPath
+    if any(isinstance(p, ObjPath) for p in paths):
+        return Path("reports") / "+".join(p.name for p in paths)[:100]
     if len(paths) == 1:
         return paths[0] / "report"
     parts = [p.resolve().parts for p in paths]
@@ -103,7 +107,7 @@ class _Clock:
 
 def collect(runs: list[Run], con, cfg: ReportConfig) -> tuple[dict, dict]:
     """Every number of the report per run label, and each run's DuckDB tables."""
-    tabs = {r.label: Q.Tables(con, Q.parquet(r.glob("images")), Q.parquet(r.glob("tokens")), Q.parquet(r.glob("errors")))
+    tabs = {r.label: Q.Tables(con, *(Q.source(con, r.glob(t)) for t in ("images", "tokens", "errors")))
             for r in runs}
     matched = {(r.label, b.label): Q.matched(tabs[r.label], tabs[b.label])
                for r in runs for b in runs if r is not b and b.engine in cfg.baselines and r.engine not in cfg.baselines}
@@ -136,7 +140,7 @@ def collect(runs: list[Run], con, cfg: ReportConfig) -> tuple[dict, dict]:
             clock("tokens by depth, width, probability")
         scorer = _scorer(r, scorers) if cfg.scorer else None
         ids = set(Q.first_ids(t, cfg.feature_images)) if scorer is not None and cfg.feature_images > 1 else set()
-        facts = scan(str(r.path / "images"), scorer, ids, cfg.image_batch)
+        facts = scan(r.path / "images", scorer, ids, cfg.image_batch)
         clock("image pass")
         name = f"flat_{i}"
         con.register(name, facts.table)

@@ -57,7 +57,10 @@ def _chunks(images_dir: str, batch: int):
     parts of a batch each, often 8 rows: too few for one scorer forward)."""
     cols = ["prompt_id", "prompt", "split", "image", "num_tokens"]
     pending = {c: [] for c in cols}
-    for rb in ds.dataset(images_dir, format="parquet").to_batches(columns=cols, batch_size=batch):
+    from actors.store import ObjPath
+    where = ds.dataset(images_dir.key, filesystem=images_dir.fs, format="parquet") \
+        if isinstance(images_dir, ObjPath) else ds.dataset(str(images_dir), format="parquet")
+    for rb in where.to_batches(columns=cols, batch_size=batch):
         for c in cols:
             pending[c] += (rb.column(c).field("bytes") if c == "image" else rb.column(c)).to_pylist()
         if len(pending["prompt_id"]) >= batch:

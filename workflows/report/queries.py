@@ -13,6 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import duckdb
+
+from actors.store import entries
 import numpy as np
 
 # The tokens columns the report reads by name (docs/design.md, "Output contract"). Fixed here, not
@@ -41,6 +43,25 @@ def _quote(s: str) -> str:
 def parquet(glob: str | None) -> str | None:
     """A FROM source over a folder's part files (parts may differ in columns: union by name)."""
     return None if glob is None else f"read_parquet('{_quote(glob)}', union_by_name = true)"
+
+
+def source(con, where) -> str | None:
+    """A FROM source over a run's table: read_parquet of a local glob, or, for a prefix on an object store
+    (actors/store.py ObjPath), a pyarrow dataset over its part keys registered in DuckDB: DuckDB reads
+    through the same pyarrow filesystem the job wrote with (no httpfs, no second set of credentials).
+    Parts may differ in columns: their schemas are unified by name, as union_by_name does."""
+    if where is None or isinstance(where, str):
+        return parquet(where)
+    import hashlib
+
+    import pyarrow as pa
+    import pyarrow.dataset as ds
+    import pyarrow.parquet as pq
+    keys = [f"{where.key}/{n}" for n in sorted(entries(where)) if n.endswith(".parquet")]
+    schema = pa.unify_schemas([pq.read_schema(where.fs.open_input_file(k)) for k in keys])
+    name = "store_" + hashlib.blake2b(str(where).encode(), digest_size=8).hexdigest()
+    con.register(name, ds.dataset(keys, schema=schema, filesystem=where.fs, format="parquet"))
+    return name
 
 
 @dataclass
@@ -93,7 +114,7 @@ def tau_values(t: Tables) -> np.ndarray:
 
 def matched(t: Tables, base: Tables) -> int:
     """Images of this run whose (prompt_id, seed) the other run also generated."""
-    return t.con.execute(f"SELECT count(*) FROM {t.img} e JOIN {base.img} b USING (prompt_id, seed)").fetchone()[0]
+    return t.con.execute(f"SELECT count(*) FROM {t.img} e JOIN {base.img} b USING (prompt_id, seed)").fetchall()[0][0]
 
 
 def versus(t: Tables, base: Tables) -> list[dict]:
@@ -118,10 +139,10 @@ def errors(t: Tables) -> list[dict]:
 
 def speculative(t: Tables) -> bool:
     """Whether the run drafted at all: a draft forward counted, or a token accepted from a draft."""
-    drafted = t.con.execute(f"SELECT coalesce(sum(draft_forwards), 0) > 0 FROM {t.img}").fetchone()[0]
+    drafted = t.con.execute(f"SELECT coalesce(sum(draft_forwards), 0) > 0 FROM {t.img}").fetchall()[0][0]
     if drafted or t.tok is None or not t.has("accepted"):
         return bool(drafted)
-    return bool(t.con.execute(f"SELECT coalesce(bool_or(accepted), false) FROM {t.tok}").fetchone()[0])
+    return bool(t.con.execute(f"SELECT coalesce(bool_or(accepted), false) FROM {t.tok}").fetchall()[0][0])
 
 
 # -- per speculative step -------------------------------------------------------------------------------
@@ -290,7 +311,7 @@ def profile(t: Tables, col: str, ty: str, max_values: int = 64) -> dict | None:
     integer = ty not in ("FLOAT", "DOUBLE")
     x = f"{col}::DOUBLE" if ty == "BOOLEAN" else col
     if integer:
-        distinct = t.con.execute(f"SELECT count(DISTINCT {col}) FROM {t.tok}").fetchone()[0]
+        distinct = t.con.execute(f"SELECT count(DISTINCT {col}) FROM {t.tok}").fetchall()[0][0]
         if distinct < 2:
             return None
         if distinct <= max_values:
@@ -298,7 +319,7 @@ def profile(t: Tables, col: str, ty: str, max_values: int = 64) -> dict | None:
                 f"""SELECT {x} AS value, count(*) AS tokens, avg(accepted::INTEGER) AS accepted FROM {t.tok}
                     WHERE {col} IS NOT NULL GROUP BY {x} ORDER BY {x}""")}
     ok = f"{col} IS NOT NULL" + ("" if integer else f" AND isfinite({col})")
-    lo, hi = t.con.execute(f"SELECT min({x}), max({x}) FROM {t.tok} WHERE {ok}").fetchone()
+    lo, hi = t.con.execute(f"SELECT min({x}), max({x}) FROM {t.tok} WHERE {ok}").fetchall()[0]
     if lo is None or not hi > lo:
         return None
     width = (hi - lo) / BINS

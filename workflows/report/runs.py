@@ -10,6 +10,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from actors.store import ObjPath, StoreConfigError, at, entries, source
 from workflows.config import ConfigError
 
 
@@ -31,9 +32,12 @@ class Run:
         """Only a run whose engine reported exact acceptance for every image is lossless."""
         return self.acceptance != "exact"
 
-    def glob(self, table: str) -> str | None:
-        """DuckDB glob of a table's parts, or None when the run has none (e.g. no errors/)."""
+    def glob(self, table: str) -> str | ObjPath | None:
+        """DuckDB glob of a table's parts, or None when the run has none (e.g. no errors/). A run on an object
+        store: the table's prefix (queries.source reads it through the store's pyarrow filesystem)."""
         d = self.path / table
+        if isinstance(d, ObjPath):
+            return d if any(n.endswith(".parquet") for n in entries(d)) else None
         return str(d / "*.parquet") if d.is_dir() and any(d.glob("*.parquet")) else None
 
 
@@ -41,10 +45,18 @@ def is_run(path: Path) -> bool:
     return (path / "job.json").is_file() and (path / "images").is_dir()
 
 
+def _at(p):
+    try:
+        return at(p)
+    except StoreConfigError as e:
+        raise ConfigError(f"run_dirs: {e}") from None
+
+
 def find_runs(paths: list[str | Path]) -> list[Path]:
-    """Each path is a run folder, or a folder whose direct subfolders include runs (a sweep)."""
+    """Each path is a run folder, or a folder whose direct subfolders include runs (a sweep); a folder may
+    be a prefix on an object store (s3://bucket/runs/x, actors/store.py)."""
     found = []
-    for p in map(Path, paths):
+    for p in map(_at, paths):
         if not p.is_dir():
             raise ConfigError(f"run_dirs: {p} is not a folder; give run folders (out_dir of a generate job) "
                               f"or a folder of them")
@@ -52,7 +64,8 @@ def find_runs(paths: list[str | Path]) -> list[Path]:
         if not subs:
             raise ConfigError(f"run_dirs: {p} holds no run (a run folder has images/ and job.json, as "
                               f"`python -m workflows.generate out_dir=...` writes them)")
-        found += [q for q in subs if q.resolve() not in {f.resolve() for f in found}]
+        key = lambda q: q if isinstance(q, ObjPath) else q.resolve()   # noqa: E731
+        found += [q for q in subs if key(q) not in {key(f) for f in found}]
     return found
 
 
@@ -76,11 +89,11 @@ def reported_acceptance(path: Path) -> str:
     writes it), else summary.json's; `unknown` when neither exists, several values joined by `+`. Never a
     default: a setting missing from job.json says nothing about the engine (cspd has no such setting)."""
     import pyarrow.parquet as pq
-    parts = sorted((path / "images").glob("*.parquet"))
+    parts = [path / "images" / n for n in sorted(entries(path / "images")) if n.endswith(".parquet")]
     seen = set()
     for p in parts:
-        if "acceptance" in pq.read_schema(p).names:
-            seen |= {v for v in pq.read_table(p, columns=["acceptance"]).column(0).to_pylist() if v}
+        if "acceptance" in pq.read_schema(source(p)).names:
+            seen |= {v for v in pq.read_table(source(p), columns=["acceptance"]).column(0).to_pylist() if v}
     if not seen and (path / "summary.json").is_file():
         v = json.loads((path / "summary.json").read_text()).get("acceptance")
         seen = set(v) if isinstance(v, list) else {v} if v else set()
