@@ -50,9 +50,10 @@ def test_auto_commits_vanillas_tokens(drafter):
     assert (sum(r.draft_forwards for r in out) > 0) == drafter
 
 
-@pytest.mark.parametrize("world", list(WORLDS))
-def test_auto_without_a_drafter_samples_the_vanilla_distribution(world):
-    w = WORLDS[world]
+def test_auto_without_a_drafter_samples_the_vanilla_distribution():
+    """The small world (tests/test_lossless.py): the wide one's 9-token images with 16-token chains over
+    2000 rows took 70 s of the suite; the chain step itself is checked in both worlds there."""
+    w = WORLDS["small"]
     bundle = without_drafter(tiny_bundle(**w["bundle"]))
     assert sample_pvalue(bundle, exact_distribution(bundle, w["sampling"]), w["sampling"], "auto") > 1e-3
 

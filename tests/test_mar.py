@@ -186,7 +186,7 @@ def test_continuous_engines_pick_the_mar_family_by_default():
             assert c.model.name == "mar" and c.engine.name == engine and c.out_dir == f"runs/mar/{engine}"
         assert pick("engine=cspd", "engine.lam=1", "model.num_sampling_steps=20").model.num_sampling_steps == 20
         assert pick("engine=mar", "model=shapes").model.name == "shapes"   # the command line wins...
-        assert pick().model.name == "shapes" and pick("model=mar").engine.name == "vanilla"
+        assert pick().model.name == "shapes" and pick("model=mar").engine.name == "auto"   # auto runs mar there
 
 
 def test_generate_refuses_an_engine_the_model_cannot_serve(tmp_path):

@@ -115,7 +115,7 @@ def test_validation_refuses_bad_checkpoints_from_their_headers(tiny_weights, tmp
     d = tmp_path / "w"
     shutil.copytree(tiny_weights, d)
     (d / "drafter.safetensors").unlink()
-    with pytest.raises(ConfigError, match="engine 'adt_tree' needs a drafter"):
+    with pytest.raises(ConfigError, match="engine 'adt_tree' drafts trees with a drafter, and the model has none"):
         validate(d, "engine=adt_tree")
     with open(d / "gpt.safetensors", "r+b") as f:
         f.truncate(f.seek(0, 2) - 100)

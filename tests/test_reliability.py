@@ -678,12 +678,14 @@ def test_sigterm_while_ray_starts_exits_143_with_ray_shut_down(tiny_weights, tmp
 
 def test_rows_never_exceed_the_prompts_and_a_batch_that_cannot_fit_is_refused(ray_cluster, tiny_weights, tmp_path,
                                                                              monkeypatch):
-    """cluster.batch_size=10000 on 6 prompts: the actor decodes in 6 rows (the images record it; the old
+    """cluster.batch_size=10000 on 6 prompts: the actor decodes in 6 rows (the images record the batch
+    each ran in: 6, or fewer where the stream regrouped its last rows; the old
     code allocated caches for 10000, 20000 with CFG). A batch whose KV cache and logits, estimated from
     the model's dims, exceed the device's free memory (100 kB injected) is refused before any is
     allocated, in one line naming cluster.batch_size and how many rows fit."""
     s = job(*args(tiny_weights, tmp_path / "big", 6, "cluster.batch_size=10000", "cluster.num_actors=1"))
-    assert s["images"] == 6 and set(images(tmp_path / "big").batch_size) == {6}
+    batch = images(tmp_path / "big").batch_size
+    assert s["images"] == 6 and batch.max() == 6 and batch.min() >= 1
     from ray import cloudpickle
 
     import actors.pool

@@ -23,7 +23,9 @@ from tests.test_reliability import fault  # noqa: F401 (the write-boundary fixtu
 
 BUCKET = "arspec"
 N = 8           # prompts: 4 parts of 2
-TINY = ["engine.sampling.cfg_scale=2.0", "cluster.batch_size=2", "cluster.num_actors=1"]
+# vanilla: the runs compared here (a local one, s3 ones, reruns) batch their prompts as they arrive, and the
+# acceptance statistics the report compares follow the batches with a speculative engine; fp32: test_job.TINY
+TINY = ["engine=vanilla", "engine.sampling.cfg_scale=2.0", "model.dtype=float32", "cluster.batch_size=2", "cluster.num_actors=1"]
 PROMPTS = [{"id": f"p{i}", "prompt": p} for i, p in enumerate(
     ["a red circle", "a blue square", "a green triangle", "a dragon", "a small red square", "a big blue circle",
      "two green circles", "a yellow triangle"])]
