@@ -106,6 +106,21 @@ def pending_items(c) -> list[dict]:
 PART_POINTS = [f"{when}:{table}" for table in output.WRITE_ORDER for when in ("before", "mid", "after")]
 
 
+def crash_at_each_point(gen, out, items: list[dict], n: int, fault) -> None:
+    """Parts of 2 prompts written by the actor's code in this process: two whole ones, then one crash at
+    each write point of a part (PART_POINTS) and at the manifest line (after it, and midway)."""
+    plan = ["ok", "ok", *PART_POINTS, "after:manifest-line", "mid:manifest-line"]
+    for point, batch in zip(plan, [items[i:i + 2] for i in range(0, n, 2)]):
+        fault(point if point in PART_POINTS else None)
+        try:
+            res = gen.run(part_name(batch), batch)
+            fault(point if point != "ok" else None)
+            _record(out, res)
+        except Crash as e:
+            assert str(e) == point
+    fault(None)
+
+
 def test_crash_at_every_part_write_boundary_then_rerun_is_exact(reference, tiny_weights, tmp_path, fault, caplog):
     """Each batch of 2 prompts is stopped at a different boundary of its part: before, in the middle of
     (half the bytes written) and after each of its three files, then after the part's manifest line and
@@ -120,17 +135,7 @@ def test_crash_at_every_part_write_boundary_then_rerun_is_exact(reference, tiny_
     threads = torch.get_num_threads()
     gen = Generator(c, str(out))                      # the actor's code, in this process
     torch.set_num_threads(threads)
-    batches = [items[i:i + 2] for i in range(0, N, 2)]
-    plan = ["ok", "ok", *PART_POINTS, "after:manifest-line", "mid:manifest-line"]
-    for point, batch in zip(plan, batches):
-        fault(point if point in PART_POINTS else None)
-        try:
-            res = gen.run(part_name(batch), batch)
-            fault(point if point != "ok" else None)
-            _record(out, res)
-        except Crash as e:
-            assert str(e) == point
-    fault(None)
+    crash_at_each_point(gen, out, items, N, fault)
     assert len((out / "manifest.jsonl").read_text().splitlines()) == 4     # 3 whole lines and the torn one
     caplog.set_level(logging.WARNING, logger="arspec.job")
     s = job(*args(tiny_weights, out, N, "cluster.batch_size=4"))

@@ -417,8 +417,7 @@ def test_crash_at_every_write_boundary_on_s3_then_rerun_is_exact(s3, ray_cluster
 
     import actors.output as output
     from actors.generator import Generator
-    from actors.pool import _record, part_name
-    from tests.test_reliability import PART_POINTS, Crash, pending_items
+    from tests.test_reliability import crash_at_each_point, pending_items
     from workflows.config import to_object
     from workflows.generate import check_out_dir, fingerprint
     server, _ = s3
@@ -437,16 +436,7 @@ def test_crash_at_every_write_boundary_on_s3_then_rerun_is_exact(s3, ray_cluster
     threads = torch.get_num_threads()
     gen = Generator(c, out)                           # the actor's code, in this process
     torch.set_num_threads(threads)
-    plan = ["ok", "ok", *PART_POINTS, "after:manifest-line", "mid:manifest-line"]
-    for point, batch in zip(plan, [items[i:i + 2] for i in range(0, n, 2)]):
-        fault(point if point in PART_POINTS else None)
-        try:
-            res = gen.run(part_name(batch), batch)
-            fault(point if point != "ok" else None)
-            _record(out, res)
-        except Crash as e:
-            assert str(e) == point
-    fault(None)
+    crash_at_each_point(gen, out, items, n, fault)
     assert len(output.read_manifest(out)) == 3          # 3 line objects; the one stopped midway is not there
     s = job(*shapes(out, "cluster.batch_size=4"))
     assert (s["already_done"], s["images"]) == (10, n - 10)   # ok, ok, after:images, both manifest-line points

@@ -149,6 +149,18 @@ class OutDirLock:
             owner = {}     # torn: its creator died between create and write
         return raw, owner if isinstance(owner, dict) else {}, age
 
+    def _stale_or_refuse(self, owner: dict, age: float) -> str:
+        """Why the lock's owner is gone, or LockHeld (one line) while it lives."""
+        why = self._why_stale(owner, age)
+        if why is None:
+            raise LockHeld(f"out_dir={self.out_dir} is in use by {self.describe(owner)} (heartbeat "
+                           f"{age:.0f}s ago; lock {self.path}): wait for it to finish, stop it, or use "
+                           f"another out_dir") from None
+        return why
+
+    def _taking_over(self, owner: dict, why: str) -> None:
+        log.warning(f"[generate] taking over out_dir={self.out_dir}: its lock's owner, {self.describe(owner)}, {why}")
+
     def _why_stale(self, owner: dict, age: float) -> Optional[str]:
         """Why the owner no longer holds the lock, or None while it does."""
         same_machine = owner.get("host") == self.me["host"] and owner.get("boot_id") == self.me["boot_id"]
@@ -180,14 +192,9 @@ class OutDirLock:
                     raw, owner, age = self._read()
                 except FileNotFoundError:
                     continue         # released meanwhile
-                why = self._why_stale(owner, age)
-                if why is None:
-                    raise LockHeld(f"out_dir={self.out_dir} is in use by {self.describe(owner)} (heartbeat "
-                                   f"{age:.0f}s ago; lock {self.path}): wait for it to finish, stop it, or use "
-                                   f"another out_dir") from None
+                why = self._stale_or_refuse(owner, age)
                 if self._take_over(raw):
-                    log.warning(f"[generate] taking over out_dir={self.out_dir}: its lock's owner, "
-                                f"{self.describe(owner)}, {why}")
+                    self._taking_over(owner, why)
                 continue
             try:
                 with storage(self.path), os.fdopen(fd, "w") as f:
@@ -197,10 +204,7 @@ class OutDirLock:
             except BaseException:
                 self.path.unlink(missing_ok=True)     # ours, and empty or torn: it would block the next job
                 raise
-            _HELD.add(self.me["token"])
-            self._beat = threading.Thread(target=self._heartbeat, daemon=True, name="out_dir-lock")
-            self._beat.start()
-            return self
+            return self._held()
         raise LockHeld(f"out_dir={self.out_dir}: other jobs keep taking its lock ({self.path}); start one job at a time")
 
     def _take_over(self, judged: bytes) -> bool:
@@ -244,11 +248,21 @@ class OutDirLock:
         except OSError as e:
             log.warning(f"[generate] cannot touch the lock {self.path}: {e}")
 
-    def release(self) -> None:
+    def _held(self):
+        """The lock is this job's: heartbeat it."""
+        _HELD.add(self.me["token"])
+        self._beat = threading.Thread(target=self._heartbeat, daemon=True, name="out_dir-lock")
+        self._beat.start()
+        return self
+
+    def _stop_heartbeat(self) -> None:
         self._done.set()
         if self._beat is not None:
             self._beat.join(timeout=5)
         _HELD.discard(self.me["token"])
+
+    def release(self) -> None:
+        self._stop_heartbeat()
         if self._owned():
             try:
                 self.path.unlink(missing_ok=True)
@@ -381,19 +395,11 @@ class ObjectLock(OutDirLock):
                     etag, owner, age = self._read()
                 except ClientError:
                     continue                      # released meanwhile
-                why = self._why_stale(owner, age)
-                if why is None:
-                    raise LockHeld(f"out_dir={self.out_dir} is in use by {self.describe(owner)} (heartbeat "
-                                   f"{age:.0f}s ago; lock {self.path}): wait for it to finish, stop it, or use "
-                                   f"another out_dir") from None
+                why = self._stale_or_refuse(owner, age)
                 if not self._take_over(etag):
                     continue
-                log.warning(f"[generate] taking over out_dir={self.out_dir}: its lock's owner, "
-                            f"{self.describe(owner)}, {why}")
-            _HELD.add(self.me["token"])
-            self._beat = threading.Thread(target=self._heartbeat, daemon=True, name="out_dir-lock")
-            self._beat.start()
-            return self
+                self._taking_over(owner, why)
+            return self._held()
         raise LockHeld(f"out_dir={self.out_dir}: other jobs keep taking its lock ({self.path}); start one job at a time")
 
     def _take_over(self, judged: str) -> bool:
@@ -416,10 +422,7 @@ class ObjectLock(OutDirLock):
 
     def release(self) -> None:
         from botocore.exceptions import ClientError
-        self._done.set()
-        if self._beat is not None:
-            self._beat.join(timeout=5)
-        _HELD.discard(self.me["token"])
+        self._stop_heartbeat()
         if self.etag is None:
             return
         try:
