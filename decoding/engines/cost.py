@@ -181,14 +181,18 @@ def _least_ms(call, dev: torch.device, reps: int) -> float:
     only ever adds time, and a table is kept for good, so one slow call must not decide it."""
     times = []
     for _ in range(reps + 2):
-        if dev.type == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
+        t0 = now(dev)
         call()
-        if dev.type == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
+        times.append(now(dev) - t0)
     return 1000 * float(min(times[2:]))
+
+
+def now(dev: torch.device) -> float:
+    """Seconds, once the device's queued work is done (a GPU runs asynchronously): the one clock that
+    measuring reads; decisions never read it."""
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    return time.perf_counter()
 
 
 def cost_table(bundle, rows=ROWS, cache_dir: str | None = None, calibrate=None) -> CostTable:

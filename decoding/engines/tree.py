@@ -27,7 +27,6 @@ A step has no loop over rows and reads back from the device only loop bounds and
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from types import SimpleNamespace
 
@@ -37,7 +36,7 @@ import torch
 from decoding.bundle import Conditions
 from decoding.engines.base import CachedModel, EngineConfig, SlotEngine, caches_kept, parked, visible
 from decoding.engines.budget import Budget
-from decoding.engines.cost import CostTable, cost_table, given
+from decoding.engines.cost import CostTable, cost_table, given, now
 from decoding.engines.log import Proposer, TokenLog
 from decoding.engines.policy import AdjacencyAdaptive, FixedShape
 from decoding.engines.verify import Lantern, Tree, codebook_neighbours, draws, node_keys, verify
@@ -354,9 +353,9 @@ class TreeEngine(SlotEngine):
             self._midway(st)
             ms = []
             for _ in range(5):
-                t0 = self._now()
+                t0 = now(self.device)
                 seen = step(st, st.log.n < self.N)
-                ms.append(1000 * (self._now() - t0) - self._priced(st.R, kind, seen))
+                ms.append(1000 * (now(self.device) - t0) - self._priced(st.R, kind, seen))
             out[kind] = round(max(min(ms[1:]), 0.0), 4)
         return out
 
@@ -369,11 +368,6 @@ class TreeEngine(SlotEngine):
         if st.draft is not None:
             st.draft.valid[:, : self.L + h - 1] = True
         st.dn[:] = h - 1
-
-    def _now(self) -> float:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        return time.perf_counter()
 
     def _blank_conditions(self, B: int) -> Conditions:
         """Conditions of B prompts for calibration: class 0, or an all-zero caption of full length."""
