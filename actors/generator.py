@@ -47,8 +47,8 @@ class PartResult:
 def rows_bytes(bundle, rows: int) -> Optional[int]:
     """A lower bound of what `rows` decoding rows take: the target's KV cache for its whole sequence
     (conditioning + image tokens), doubled for the CFG row of each, and one step's logits; None for a
-    model without GPT dims (then no check)."""
-    a = getattr(bundle.gpt, "args", None)
+    model without GPT dims (a continuous MAR bundle has none: then no check)."""
+    a = getattr(getattr(bundle, "gpt", None), "args", None)
     if a is None or not hasattr(a, "block_size"):
         return None
     seq, width = a.block_size + getattr(a, "cls_token_num", 1), torch.finfo(bundle.dtype).bits // 8

@@ -61,6 +61,15 @@ def test_two_actors_on_two_nodes_and_identical_bytes_for_any_sharding(ray_cluste
     assert len(tok) == 12 * 16 and tok.groupby("prompt_id").token_index.nunique().eq(16).all()
 
 
+@pytest.mark.parametrize("engine", ["mar", "cspd"])
+def test_continuous_engines_run_through_the_job(ray_cluster, tmp_path, engine):
+    """The continuous half through actors and Parquet, as a user runs it (model=mar, the shipped models)."""
+    out = tmp_path / engine
+    s = job("model=mar", f"engine={engine}", "engine.num_iter=4", f"out_dir={out}", "data.limit=2", "model.dtype=float32")
+    assert s["images"] == 2 and s["errors"] == 0 and s["invalid_tokens"] == 0
+    assert len(images(out)) == 2 and not (out / "errors").exists() or pq.read_table(out / "errors").num_rows == 0
+
+
 def test_rerun_resumes_and_writes_every_prompt_once(ray_cluster, tiny_weights, tmp_path):
     out = tmp_path / "run"
     first = job(*base(tiny_weights, out, "data.limit=6", "cluster.batch_size=4"))
