@@ -17,7 +17,7 @@ import torch
 from actors.store import at
 from actors.output import ERROR_SCHEMA, IMAGE_SCHEMA, png_bytes, token_table, write_part
 from decoding.engines import build_engine
-from decoding.engines.base import Outcome, Request, RequestQueue
+from decoding.engines.requests import Outcome, Request, RequestQueue
 from decoding.registry import load_bundle
 
 log = logging.getLogger("arspec.actor")

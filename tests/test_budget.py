@@ -13,9 +13,9 @@ import torch
 
 from decoding.bundle import Conditions
 from decoding.engines import build_engine, engine_config
-from decoding.engines.base import Request
+from decoding.engines.requests import Request
 from decoding.engines.budget import CONFIDENT, FLOOR_EVERY, MARGIN, PROBE_MAX, PROBE_MIN, PROBE_SHARE, Budget, bucket
-from decoding.engines.tree import TreeEngine
+from decoding.engines import proposers
 from decoding.engines.cost import CostTable, measure
 from tests.conftest import COSTS, cost_file, labels, tiny_bundle
 
@@ -159,7 +159,7 @@ TREES = {"eagle2": dict(total_tokens=8, depth=3, width=3, chain=0, costs=COSTS),
 
 def test_a_stream_that_meets_a_new_row_count_measures_it_and_keeps_its_rows(tmp_path, monkeypatch):
     """Without a given table an engine measures each row count once, when a batch of it starts: the
-    forwards and each step kind's overhead (TreeEngine.calibrate runs real steps on a throwaway batch).
+    forwards and each step kind's overhead (calibrate.py runs real steps on a throwaway batch).
     A stream that regroups into fewer rows does so mid-stream, and the live rows' K/V must survive it:
     tokens stay vanilla's, and the table holds every row count the stream ran, with the overheads of
     plain, tree and chain steps."""
@@ -281,19 +281,19 @@ def test_a_row_that_is_done_does_not_widen_attention(name):
     wait or the batch waits to restart together; here the stream's end would regroup them away
     (base.SlotEngine.stream), so the regroup is switched off."""
     bundle = tiny_bundle(vocab=8, grid=6, seed=1, std=0.3)
-    kw = {} if name == "vanilla" else dict(TREES[name], budget="fixed", refill_wait=0)
+    kw = {} if name == "vanilla" else dict(TREES[name], budget="fixed")
     engine = build_engine(bundle, engine_config(name, sampling=SAMPLING, **kw))
-    engine._regroup = lambda state, rows, keep, slots: (state, rows)
+    engine.refill, engine.regroups = 0, False
     L, N = engine.L, engine.N
     reach = 1 if name == "vanilla" else kw["total_tokens"] + 1 + 3 * 3      # block, or drafter scratch
-    seen, step = {"limit": None, "checked": 0, "parked": 0}, engine._step
+    seen, step = {"limit": None, "checked": 0, "parked": 0}, engine.step
 
     def spy_step(st):
         live = st.log.n[st.log.n < N]
         seen["limit"] = L + int(live.max()) + reach
         seen["parked"] += int(len(live) < len(st.log.n))
         step(st)
-    engine._step = spy_step
+    engine.step = spy_step
 
     def spy(forward, at):                                                  # at: the mask's argument
         def wrapped(*args, **kw):
@@ -314,17 +314,17 @@ def test_a_row_that_is_done_does_not_widen_attention(name):
 def test_rows_that_drifted_a_little_restart_together_and_images_do_not_change():
     """Speculation moves rows apart. A free row whose batch-mates finish within refill_wait tokens waits
     for them, so the next prompts start in step (attention reads every row up to the longest one); with
-    refill_wait=0 rows refill one by one. Either way every prompt gets vanilla's image."""
+    refill 0 rows refill one by one. Either way every prompt gets vanilla's image."""
     bundle = tiny_bundle(vocab=8, grid=4, seed=1, std=0.3)
     conds = labels(12).split()
     ref = build_engine(bundle, engine_config("vanilla", sampling=SAMPLING)).generate(labels(12), list(range(12)))
     groups = {}
     for wait in (0, 16):
-        engine = build_engine(bundle, engine_config("eagle2", sampling=SAMPLING, budget="fixed", refill_wait=wait,
-                                                    **TREES["eagle2"]))
+        engine = build_engine(bundle, engine_config("eagle2", sampling=SAMPLING, budget="fixed", **TREES["eagle2"]))
+        engine.refill = wait
         alternate(engine, [0, 3, 0, 0, 2])
-        admit, sizes = engine._admit_group, []
-        engine._admit_group = lambda st, new, _a=admit, _s=sizes: _s.append(len(new)) or _a(st, new)
+        admit, sizes = engine.admit, []
+        engine.admit = lambda st, rows, *a, _a=admit, _s=sizes: _s.append(len(rows)) or _a(st, rows, *a)
         outs = list(engine.stream((Request(c, i, key=i) for i, c in enumerate(conds)), slots=4))
         assert {o.key: o.result.tokens.tolist() for o in outs} == {i: r.tokens.tolist() for i, r in enumerate(ref)}
         groups[wait] = sizes
@@ -373,7 +373,7 @@ def test_after_a_long_plain_stretch_the_drafter_catches_up_on_the_recent_pairs_o
     """A return to speculation after 60 plain steps feeds the drafter at most CATCH_UP_MAX pairs (the
     older ones stay masked), not the whole backlog; its drafts are still accepted about as often as after
     a short stretch, and the tokens are vanilla's."""
-    from decoding.engines.tree import CATCH_UP_MAX
+    from decoding.engines.proposers import CATCH_UP_MAX
     from decoding.registry import load_bundle
     from decoding.shapes.family import ShapesConfig
     from decoding.shapes.world import builtin_prompts
@@ -684,21 +684,22 @@ def test_the_engine_reports_the_worth_of_the_rows_furthest_from_done(monkeypatch
     bundle = tiny_bundle(vocab=8, grid=4, seed=1, std=0.3)
     engine = build_engine(bundle, engine_config("eagle2", sampling=SAMPLING, **TREES["eagle2"]))
     with_width(engine, 0.0)
-    seen, by_rank, spec = [], TreeEngine._by_rank, engine._spec_step
+    seen, by_rank, spec = [], proposers.by_rank_of, engine.speculate
     def record(tree, v, active):
         out = by_rank(tree, v, active)
         seen[-1]["per_row"] = out[2]
         return out
-    def step(st, active, plan, t0, room=None):
-        seen.append({"n": st.log.n.clone(), "active": active.clone()})
-        return spec(st, active, plan, t0, room)
+    def step(st, active, kind, plan, **kw):
+        if kind == "spec":
+            seen.append({"n": st.log.n.clone(), "active": active.clone()})
+        return spec(st, active, kind, plan, **kw)
     observe = engine.budget.observe
     def obs(*a, **k):
         if a[1] > 0:
             seen[-1]["behind"] = k["behind"]
         return observe(*a, **k)
-    monkeypatch.setattr(TreeEngine, "_by_rank", staticmethod(record))
-    monkeypatch.setattr(engine, "_spec_step", step)
+    monkeypatch.setattr(proposers, "by_rank_of", record)
+    monkeypatch.setattr(engine, "speculate", step)
     monkeypatch.setattr(engine.budget, "observe", obs)
     engine.generate(labels(8), range(8))
     checked = 0
@@ -748,7 +749,7 @@ def test_rows_behind_catch_up_by_speculation_and_none_passes_the_leader(tmp_path
     engine = build_engine(bundle, engine_config("eagle2", sampling=SAMPLING, **TREES["eagle2"]))
     with_width(engine, 0.0)
     alternate(engine, [8])
-    step, moves = engine._step, []
+    step, moves = engine.step, []
 
     def traced(st):
         if len(moves) == 4:
@@ -756,7 +757,7 @@ def test_rows_behind_catch_up_by_speculation_and_none_passes_the_leader(tmp_path
         before = st.log.n.clone()
         step(st)
         moves.append((int(before.max()), int(st.log.n.max()), int((st.log.n - before).max())))
-    engine._step = traced
+    engine.step = traced
     out = engine.generate(labels(8), range(8))
     assert [r.tokens.tolist() for r in out] == [r.tokens.tolist() for r in ref]
     later = [m for m in moves[4:] if m[0] < engine.N]
@@ -782,7 +783,7 @@ def test_plain_steps_teach_no_acceptance():
 
 
 def test_a_step_teaches_the_acceptance_of_each_rank_by_draft_score():
-    """TreeEngine._by_rank: v_k is the acceptance of each row's k-th best node by draft score, wherever
+    """proposers.by_rank_of: v_k is the acceptance of each row's k-th best node by draft score, wherever
     the node stands in the block; finished rows and padding teach nothing; `predicted` is the Σ of the
     verified nodes' path probabilities over the busy rows (what the calibration divides by)."""
     from decoding.engines.verify import Tree, Verdict
@@ -797,7 +798,7 @@ def test_a_step_teaches_the_acceptance_of_each_rank_by_draft_score():
     on_path = torch.tensor([[False, True, False, True], [False, False, False, False], [False, True, True, False]])
     v = Verdict(on_path, on_path.sum(1), torch.zeros(3, dtype=torch.long), torch.zeros(3, dtype=torch.long),
                 torch.zeros(3, 4), torch.zeros(3), torch.zeros(3, 4, dtype=torch.long))
-    hit, predicted, per_row = TreeEngine._by_rank(tree, v, torch.tensor([True, True, False]))
+    hit, predicted, per_row = proposers.by_rank_of(tree, v, torch.tensor([True, True, False]))
     # rank 1: a (accepted), d (not); rank 2: c (accepted), padding; rank 3: b (not), padding
     assert hit.tolist() == pytest.approx([0.5, 0.5, 0.0])
     assert predicted == pytest.approx(0.6 + 0.25 + 0.3 + 0.2, abs=1e-6)
@@ -818,7 +819,7 @@ def test_the_pending_feature_write_touches_only_its_rows(dtype):
     """put_rows writes the indexed rows and nothing else, without copying the buffer (an op count cannot
     see it: scatter_ into a bf16 buffer on a CPU is one op that copies the whole [R, S, D] buffer twice)."""
     from torch.profiler import ProfilerActivity, profile
-    from decoding.engines.tree import put_rows
+    from decoding.engines.commit import put_rows
     buf = torch.zeros(6, 40, 8, dtype=dtype)
     idx = torch.tensor([[3, 39], [0, 1], [5, 5], [39, 2], [7, 8], [1, 0]])
     values = torch.randn(6, 2, 8).to(dtype)
@@ -844,9 +845,9 @@ def test_a_plain_step_is_vanillas_step(name, tmp_path, monkeypatch):
     cond = labels(8)
 
     def ready(engine):
-        st = engine._start(8)
+        st = engine.start(8)
         with torch.inference_mode():
-            engine._admit(st, torch.arange(8), cond, list(range(8)))
+            engine.admit(st, torch.arange(8), cond, list(range(8)))
         return st
 
     van = build_engine(bundle, engine_config("vanilla", sampling=SAMPLING))
@@ -856,10 +857,10 @@ def test_a_plain_step_is_vanillas_step(name, tmp_path, monkeypatch):
     tree.budget.plan = lambda R, pending, confidence=None: 0
     # `_room` reads the rows' lengths back where the measured width cost says attention width matters (the
     # step's documented exception): fixed here, so that the count does not depend on the host's timings
-    monkeypatch.setattr(tree, "_room", lambda st: (None, True))
+    monkeypatch.setattr(tree.planner, "room", lambda st: (None, True))
     calls = []
     monkeypatch.setattr(tree, "drafter", lambda *a, **k: calls.append(1))
-    plain, vanilla = aten_ops(lambda: tree._step(tst)), aten_ops(lambda: van._step(vst))
+    plain, vanilla = aten_ops(lambda: tree.step(tst)), aten_ops(lambda: van.step(vst))
     assert not calls                                                   # the drafter rests
     syncs = ("aten::item", "aten::_local_scalar_dense")
     assert [plain[k] for k in syncs] == [vanilla[k] for k in syncs], (plain, vanilla)
@@ -893,7 +894,6 @@ def test_where_speculation_only_lost_the_engine_skips_the_budget_and_commits_van
     engine's steps are vanilla's, and after the first one it neither plans, measures nor reads the rows'
     lengths back (`_room`) once the drafter's catch-up reached its cap, until the probe is near
     (Budget.quiet)."""
-    from decoding.engines import tree as tree_module
     monkeypatch.setenv("ARSPEC_CACHE", str(tmp_path))
     bundle = tiny_bundle(vocab=8, grid=4, seed=1, std=0.3)
     ref = build_engine(bundle, engine_config("vanilla", sampling=SAMPLING)).generate(labels(12), range(12))
@@ -902,15 +902,15 @@ def test_where_speculation_only_lost_the_engine_skips_the_budget_and_commits_van
     for g in engine.budget.measured.values():                     # at every row count the batch ran:
         g.net, g.wait, g.last_spec = -5.0, PROBE_MAX, g.step         # it lost; the next probe is far off
         g.rate.update({b: 0.5 for b in range(1, bucket(engine.budget.max) + 1)})
-    monkeypatch.setattr(tree_module, "CATCH_UP_MAX", 2)                 # the catch-up's cap: reached at step 2
+    monkeypatch.setattr(proposers, "CATCH_UP_MAX", 2)                 # the catch-up's cap: reached at step 2
     calls = []
-    for obj, fn in ((engine.budget, "observe"), (engine.budget, "plan"), (engine, "_room")):
+    for obj, fn in ((engine.budget, "observe"), (engine.budget, "plan"), (engine.planner, "room")):
         real = getattr(obj, fn)
         monkeypatch.setattr(obj, fn, lambda *a, real=real, fn=fn, **k: calls.append(fn) or real(*a, **k))
     out = engine.generate(labels(12), range(12))
     assert [r.tokens.tolist() for r in out] == [r.tokens.tolist() for r in ref]
     # 2 of 15 steps, then quiet (whether those 2 plan or hold depends on `_room`, on the measured costs)
-    assert calls.count("_room") == calls.count("observe") == 2 and calls.count("plan") <= 2, calls
+    assert calls.count("room") == calls.count("observe") == 2 and calls.count("plan") <= 2, calls
 
 
 def test_the_engine_reports_each_step_to_the_budget_as_planned(tmp_path, monkeypatch):
@@ -925,7 +925,7 @@ def test_the_engine_reports_each_step_to_the_budget_as_planned(tmp_path, monkeyp
     # a fixed mix of plain and speculative plans (the budget's own choice depends on measured time, and
     # this test is about what the engine reports, not what the budget chooses)
     engine.budget.plan = lambda R, pending, confidence=None: plans.append([0, 4, 8][len(plans) % 3]) or plans[-1]   # <= total_tokens
-    engine._room = lambda st: (None, True)   # (a measured width cost would hold rows in step: plain steps unplanned)
+    engine.planner.room = lambda st: (None, True)   # (a measured width cost would hold rows in step: plain steps unplanned)
     engine.budget.observe = lambda R, K, ms, tokens=1.0, *a, **k: (seen.append((K, ms, tokens)),
                                                                    observe(R, K, ms, tokens, *a, **k))
     admitted = []

@@ -1,4 +1,4 @@
-"""Chain steps of the tree engines (tree.py `_chain_step`): the target verifies a chain of its own draws of
+"""Chain steps of the tree engines (proposers.py `ChainProposer`): the target verifies a chain of its own draws of
 the step before, with the drafter resting. Exact acceptance commits the target's draws, so the tokens
 stay vanilla's whatever the chain holds (checked here, and statistically in tests/test_lossless.py;
 every chain node's verified distribution is checked against a cache-free forward in
@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 
 from decoding.engines import build_engine, engine_config
-from decoding.engines.base import Request
+from decoding.engines.requests import Request
+from decoding.engines.planner import CHAIN_COST
 from decoding.engines.budget import CHAIN_RUN, FLOOR_SAMPLES, PROBE_MAX, PROBE_SHARE, Budget, bucket
 from decoding.engines.verify import draws
 from decoding.sampling import Streams, sample
@@ -55,7 +56,7 @@ def test_rows_that_take_the_next_prompt_start_a_new_chain():
 def mixed(engine, chain_pattern, tree_pattern):
     """Chain, tree and plain steps in a fixed mix: the chain budget's plan cycles through chain_pattern
     (1: a chain step), the tree's through tree_pattern where the chain's says 0."""
-    engine._chains_pay = lambda R: True
+    engine.planner.chains_pay = lambda R: True
     calls = iter(range(10**9))
     engine.chain_budget.plan = lambda R, pending, confidence=None: chain_pattern[next(calls) % len(chain_pattern)]
     alternate(engine, tree_pattern)
@@ -80,21 +81,21 @@ def test_chain_tree_and_plain_steps_mixed_commit_vanillas_tokens():
 
 def record_chains(engine) -> list:
     """(P [B], chain tokens [B, K], nodes [B, K], root [B]) of every chain step's verified tree."""
-    calls, forward, chain_step = [], engine._verify_forward, engine._chain_step
+    calls, forward, speculate = [], engine.verifier.forward, engine.speculate
     in_chain = []
 
-    def step(*a, **k):
-        in_chain.append(True)
+    def step(st, active, kind, *a, **k):
+        in_chain.append(kind == "chain")
         try:
-            return chain_step(*a, **k)
+            return speculate(st, active, kind, *a, **k)
         finally:
             in_chain.pop()
 
     def spy(target, tree, P):
-        if in_chain:
+        if in_chain and in_chain[-1]:
             calls.append((P.clone(), tree.tok[:, 1:].clone(), (tree.parent[:, 1:] >= 0).clone(), tree.tok[:, 0].clone()))
         return forward(target, tree, P)
-    engine._verify_forward, engine._chain_step = spy, step
+    engine.verifier.forward, engine.speculate = spy, step
     return calls
 
 
@@ -107,7 +108,7 @@ def test_each_chain_is_the_targets_draws_after_the_chain_before_it(pattern):
     bundle = tiny_bundle(vocab=8, grid=4, seed=1, std=0.3)
     engine = build_engine(bundle, engine_config("eagle2", sampling=SAMPLING, total_tokens=6, chain=5, costs=COSTS))
     mixed(engine, pattern, [0, 4])
-    engine._regroup = lambda state, rows, keep, slots: (state, rows)   # rows keep their places (b below)
+    engine.regroups = False   # rows keep their places (b below)
     calls = record_chains(engine)
     seeds = list(range(100, 100 + B))
     results = engine.generate(labels(B), seeds)
@@ -189,15 +190,15 @@ def test_one_busy_chain_step_does_not_switch_chains_off():
 
 
 @pytest.mark.parametrize("ratio, runs", [(1.5, True), (6.0, False)])
-def test_chain_steps_run_only_where_the_cost_table_says_one_costs_at_most_chain_cost_plain_steps(
+def test_chain_steps_run_only_where_the_cost_table_says_one_costs_at_most_CHAIN_COST_plain_steps(
         ratio, runs, tmp_path, monkeypatch):
-    """The gate on the hardware (tree.py `_chains_pay`): measured per step, chains looked like a win at
-    batch 8 on a CPU where whole images lost. Above `chain_cost` no chain step runs, and the tree's own
+    """The gate on the hardware (planner.py `chains_pay`): measured per step, chains looked like a win at
+    batch 8 on a CPU where whole images lost. Above CHAIN_COST no chain step runs, and the tree's own
     budget plans as it did without chains."""
     costs = cost_file(tmp_path, target=lambda R, T: 10.0 * (1 + (ratio - 1) * (T - 1) / 16))
     bundle = tiny_bundle(vocab=8, grid=4, seed=1, std=0.3)
     engine = build_engine(bundle, engine_config("adt_tree", sampling=SAMPLING, total_tokens=6, chain=16, costs=costs))
-    assert (engine.costs.target(16, 17) <= engine.cfg.chain_cost * engine.costs.target(16, 1)) == runs
+    assert (engine.costs.target(16, 17) <= CHAIN_COST * engine.costs.target(16, 1)) == runs
     out = engine.generate(labels(8), range(100, 108))
     ref = vanilla(bundle, 8)
     assert [r.tokens.tolist() for r in out] == [r.tokens.tolist() for r in ref]
@@ -206,7 +207,7 @@ def test_chain_steps_run_only_where_the_cost_table_says_one_costs_at_most_chain_
 
 
 def test_width_holds_tree_steps_to_the_longest_row_but_not_chains(tmp_path, monkeypatch):
-    """Where a slot of attention width costs the batch more than a token saves a row (tree.py `_room`),
+    """Where a slot of attention width costs the batch more than a token saves a row (planner.py `room`),
     tree steps keep every row behind the longest one (tests/test_budget.py); chain steps do not, since a
     chain commits several tokens for the width it adds (at batch 8 on a CPU, chains held to the longest
     row gave 1.03x vanilla and free ones 1.22x). Tokens stay vanilla's."""
@@ -217,9 +218,9 @@ def test_width_holds_tree_steps_to_the_longest_row_but_not_chains(tmp_path, monk
     with_width(engine, 0.0)
     engine.chain_budget.costs = engine.costs
     mixed(engine, [1, 0], [0])                    # chain steps, and plain ones the width may hold
-    step, moves, held = engine._step, [], []
-    room = engine._room
-    engine._room = lambda st: held.append(1) or room(st)
+    step, moves, held = engine.step, [], []
+    room = engine.planner.room
+    engine.planner.room = lambda st: held.append(1) or room(st)
 
     def traced(st):
         if len(moves) == 2:
@@ -227,7 +228,7 @@ def test_width_holds_tree_steps_to_the_longest_row_but_not_chains(tmp_path, monk
         before = st.log.n.clone()
         step(st)
         moves.append((int(before.max()), int(st.log.n.max())))
-    engine._step = traced
+    engine.step = traced
     out = engine.generate(labels(8), range(100, 108))
     assert [r.tokens.tolist() for r in out] == [r.tokens.tolist() for r in ref]
     later = [m for m in moves[2:] if m[0] < engine.N]
@@ -244,9 +245,13 @@ def test_the_engine_reports_each_chain_step_to_the_chain_budget(tmp_path, monkey
     engine = build_engine(bundle, engine_config("adt_tree", sampling=SAMPLING, total_tokens=6, chain=5, costs=COSTS))
     mixed(engine, [1, 0], [0])
     verdicts, seen = [], []
-    record, observe = engine._record, engine.chain_budget.observe
-    engine._record = lambda log, tree, v, active, *a: verdicts.append((v.accepted.clone(), active.clone())) or \
-        record(log, tree, v, active, *a)
+    accept, observe = engine.verifier.accept, engine.chain_budget.observe
+
+    def spy_accept(st, prop, probs, n, active):
+        v, path = accept(st, prop, probs, n, active)
+        verdicts.append((v.accepted.clone(), active.clone()))
+        return v, path
+    engine.verifier.accept = spy_accept
     engine.chain_budget.observe = lambda R, K, ms, tokens=1.0, by_rank=None, *a, **k: (
         seen.append((K, tokens, None if by_rank is None else float(by_rank[0]))), observe(R, K, ms, tokens, by_rank, *a, **k))
     engine.generate(labels(6), range(100, 106))
@@ -259,7 +264,7 @@ def test_the_engine_reports_each_chain_step_to_the_chain_budget(tmp_path, monkey
 
 
 @pytest.mark.parametrize("bad, message", [
-    (dict(chain=-1), "engine.chain=-1"), (dict(chain_cost=0.0), "engine.chain_cost=0.0"),
+    (dict(chain=-1), "engine.chain=-1"), (dict(chain_cost=4.0), "engine.chain_cost: engine 'adt_tree' has no such"),
     (dict(total_tokens=0, chain=0), "engine.total_tokens=0"),
     (dict(total_tokens=0, chain=0, budget="fixed"), "engine.total_tokens=0")])
 def test_bad_chain_settings_are_refused_in_one_line(bad, message):

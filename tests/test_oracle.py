@@ -82,9 +82,9 @@ def path_to(tok, parent, b: int, j: int) -> list[int]:
 def record_verifications(engine) -> list:
     """Wrap the engine's verify forward: keep (tok, parent, depth, q, P, probs, the image in each row) of
     every step. The
-    stream regroups its last rows into fewer (base.SlotEngine.stream): `where[b]` follows them, so
+    stream regroups its last rows into fewer (scheduler.py): `where[b]` follows them, so
     every verify forward after a regroup is checked too (the K/V each row took with it)."""
-    calls, forward, resize = [], engine._verify_forward, engine._resize
+    calls, forward, resize = [], engine.verifier.forward, engine.resize
     where = []
 
     def spy(target, tree, P):
@@ -97,7 +97,7 @@ def record_verifications(engine) -> list:
     def regroup(st, keep, slots):
         where[:] = [where[b] for b in keep] + [None] * (slots - len(keep))
         return resize(st, keep, slots)
-    engine._verify_forward, engine._resize = spy, regroup
+    engine.verifier.forward, engine.resize = spy, regroup
     return calls
 
 

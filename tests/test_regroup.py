@@ -11,31 +11,34 @@ import pytest
 import torch
 
 from decoding.engines import build_engine, engine_config
-from decoding.engines.base import CachedModel, Request, RequestQueue
+from decoding.engines.base import CachedModel
+from decoding.engines.requests import Request, RequestQueue
 from decoding.engines.cost import measure
 from tests.conftest import COSTS, labels, tiny_bundle
 from tests.test_budget import SAMPLING, TREES, alternate
 from tests.test_chain import mixed
 
-# refill_wait=0: a free row takes the next prompt at once, so rows finish apart and regroup from anywhere
+# tree engines at refill 0 (a free row takes the next prompt at once): rows finish apart and regroup from anywhere
 CASES = {"vanilla": ({}, None),
-         "eagle2": (dict(TREES["eagle2"], budget="fixed", refill_wait=0), [0, 3, 0, 6, 8]),
-         "adt_tree": (dict(TREES["adt_tree"], budget="fixed", refill_wait=0), [0, 3, 0, 6, 8]),
-         "adt_tree_chains": (dict(total_tokens=6, chain=5, refill_wait=0, costs=COSTS), None)}
+         "eagle2": (dict(TREES["eagle2"], budget="fixed"), [0, 3, 0, 6, 8]),
+         "adt_tree": (dict(TREES["adt_tree"], budget="fixed"), [0, 3, 0, 6, 8]),
+         "adt_tree_chains": (dict(total_tokens=6, chain=5, costs=COSTS), None)}
 
 
 def setup(case):
     bundle = tiny_bundle(vocab=8, grid=4, seed=1, std=0.3)
     kw, pattern = CASES[case]
     engine = build_engine(bundle, engine_config(case.replace("_chains", ""), sampling=SAMPLING, **kw))
-    engine._room = lambda st: (None, True)   # no hold from the measured width cost: what runs is the plan
+    if case != "vanilla":
+        engine.refill = 0
+        engine.planner.room = lambda st: (None, True)   # no hold from the measured width cost: the plan runs
     if case.endswith("chains"):
         mixed(engine, [1, 0, 1, 0, 0], [0, 4])                           # chain, tree and plain steps
     elif pattern:
         alternate(engine, pattern)
-    rows, keeps, forward, resize = [], [], engine.gpt.forward_embeds, engine._resize
+    rows, keeps, forward, resize = [], [], engine.gpt.forward_embeds, engine.resize
     engine.gpt.forward_embeds = lambda h, *a, **k: rows.append(h.shape[0]) or forward(h, *a, **k)
-    engine._resize = lambda st, keep, slots: keeps.append(list(keep)) or resize(st, keep, slots)
+    engine.resize = lambda st, keep, slots: keeps.append(list(keep)) or resize(st, keep, slots)
     return bundle, engine, rows, keeps
 
 
@@ -53,8 +56,7 @@ def test_the_rows_left_at_the_end_of_a_stream_regroup_and_keep_their_images(case
     runs = {}
     for regroup in (False, True):
         bundle, engine, rows, keeps = setup(case)
-        if not regroup:
-            engine._regroup = lambda state, rows, keep, slots: (state, rows)
+        engine.regroups = regroup
         requests = (Request(c, s, key=i) for i, (c, s) in enumerate(zip(labels(6).split(), seeds)))
         outs = list(engine.stream(requests, slots=4))
         assert not any(o.error for o in outs), [o.error for o in outs if o.error]
@@ -79,14 +81,15 @@ def test_a_regrouped_batch_grows_back_when_requests_come(case):
     conds = labels(5).split()
     queue = RequestQueue()
     queue.put([Request(conds[i], seeds[i], key=i) for i in range(2)])
-    step = engine._step
+    step, put = engine.step, []
 
     def later(st):                                                       # the next part, once regrouped
-        if st.slots < 4 and not queue._closed:
+        if st.slots < 4 and not put:
+            put.append(1)
             queue.put([Request(conds[i], seeds[i], key=i) for i in range(2, 5)])
             queue.close()
         step(st)
-    engine._step = later
+    engine.step = later
     outs = list(engine.stream(queue, slots=4))
     assert not any(o.error for o in outs), [o.error for o in outs if o.error]
     assert {o.key: o.result.tokens.tolist() for o in outs} == dict(enumerate(vanillas(bundle, seeds)))
@@ -96,13 +99,13 @@ def test_a_regrouped_batch_grows_back_when_requests_come(case):
 
 def test_while_requests_wait_the_batch_keeps_its_rows():
     """Regrouping is for the end of a stream: rows that finish while prompts wait, or while the batch
-    waits to restart together (refill_wait), stay in the batch and take the next prompts."""
+    waits to restart together (TreeEngine.refill), stay in the batch and take the next prompts."""
     bundle = tiny_bundle(vocab=8, grid=4, seed=1, std=0.3)
     engine = build_engine(bundle, engine_config("eagle2", sampling=SAMPLING, **dict(TREES["eagle2"], budget="fixed")))
     alternate(engine, [0, 3, 0, 6, 8])
-    events, admit, resize = [], engine._admit, engine._resize
-    engine._admit = lambda st, rows, *a: events.append("admit") or admit(st, rows, *a)
-    engine._resize = lambda st, keep, slots: events.append("regroup") or resize(st, keep, slots)
+    events, admit, resize = [], engine.admit, engine.resize
+    engine.admit = lambda st, rows, *a: events.append("admit") or admit(st, rows, *a)
+    engine.resize = lambda st, keep, slots: events.append("regroup") or resize(st, keep, slots)
     outs = list(engine.stream((Request(c, i, key=i) for i, c in enumerate(labels(12).split())), slots=4))
     assert len(outs) == 12 and not any(o.error for o in outs)
     assert "regroup" in events and events.index("regroup") > max(i for i, e in enumerate(events) if e == "admit")
@@ -123,15 +126,23 @@ def test_measuring_a_new_batch_shape_leaves_the_engines_cache_alone():
     assert cache.valid.shape == (4, 40)
 
 
-def test_a_state_tensor_that_is_not_per_row_is_refused_at_a_regroup():
-    """Regrouping copies every tensor of a state by its rows; one it cannot place would be left behind
-    silently, so it fails, naming the field."""
+def test_a_state_tensor_that_does_not_say_how_it_follows_its_row_is_refused_at_a_regroup():
+    """Regrouping copies every field of a state as it declares (state.py); a tensor that declares nothing
+    would be left behind silently, so it fails, naming the field."""
+    from dataclasses import dataclass
+
+    from decoding.engines.vanilla import VanillaState
+
+    @dataclass
+    class Extra(VanillaState):
+        extra: torch.Tensor | None = None
+
     bundle = tiny_bundle(vocab=8, grid=4, seed=1, std=0.3)
     engine = build_engine(bundle, engine_config("vanilla", sampling=SAMPLING))
-    st = engine._start(4)
-    st.extra = torch.zeros(3)
-    with pytest.raises(ValueError, match="state.extra"):
-        engine._resize(st, [1, 2], 2)
+    start = engine.start
+    engine.start = lambda slots: Extra(**vars(start(slots)), extra=torch.zeros(slots))
+    with pytest.raises(TypeError, match="Extra.extra"):
+        engine.resize(engine.start(4), [1, 2], 2)
 
 
 def test_an_image_reports_the_batch_it_actually_ran_in():

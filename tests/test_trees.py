@@ -8,6 +8,7 @@ import torch
 from scipy.stats import chisquare
 
 from decoding.engines import build_engine, engine_config
+from decoding.engines.proposers import select
 from decoding.engines.policy import AdjacencyAdaptive, bisect
 from decoding.engines.verify import Lantern, Tree, codebook_neighbours, draws, node_keys, verify
 from decoding.sampling import Streams
@@ -247,7 +248,7 @@ def test_tree_selection_keeps_ancestors_and_budget(tiny):
     par = torch.tensor([[-1, -1, -1, 0, 0, 0, 1, 1, 1, 2, 2, 2]])
     depth = torch.tensor([[1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 2]])
     score = torch.tensor([[-0.1, -1.0, -3.0, -0.3, -2.0, -4.0, -1.5, -1.2, -5.0, -6.0, -7.0, float("-inf")]])
-    t = engine._select(tok, par, depth, score, score.exp(), 5)
+    t = select(tok, par, depth, score, score.exp(), 5)
     # best five by score: -0.1, -0.3, -1.0, -1.2, -1.5 -> nodes 0, 3, 1, 7, 6; ordered by (depth, -score)
     assert t["depth"].tolist() == [[1, 1, 2, 2, 2]]
     assert t["score"][0].tolist() == pytest.approx([-0.1, -1.0, -0.3, -1.2, -1.5])
@@ -258,7 +259,7 @@ def test_drafting_stops_where_no_deeper_node_could_enter_the_tree(monkeypatch):
     """ADT-Tree asks for up to d_max levels; a level is not drafted once no row's frontier scores above
     its K-th best candidate. The K nodes chosen must be exactly those a full-depth draft gives, step by
     step, with fewer levels drafted (shipped model, fp32), and the tokens vanilla's."""
-    from decoding.engines.tree import TreeEngine
+    from decoding.engines.proposers import TreeProposer
     from decoding.registry import load_bundle
     from decoding.shapes.family import ShapesConfig
     from decoding.shapes.world import builtin_prompts
@@ -266,12 +267,12 @@ def test_drafting_stops_where_no_deeper_node_could_enter_the_tree(monkeypatch):
     cond = bundle.conditions([p["prompt"] for p in builtin_prompts(2, seed=5)])
     ref = build_engine(bundle, engine_config("vanilla")).generate(cond, [3, 4])
     engine = build_engine(bundle, engine_config("adt_tree", budget="fixed"))
-    draft, levels = TreeEngine._draft, {"full": 0, "kept": 0}
+    draft, levels = TreeProposer.draft, {"full": 0, "kept": 0}
 
     def both(self, dr, dfeat, P, d, w, log, keep=None):
         full = draft(self, dr, dfeat, P, d, w, log)                  # every level asked for, first
         kept = draft(self, dr, dfeat, P, d, w, log, keep=keep)       # then as the engine drafts
-        pick = [self._select(c["tok"], c["par"], c["depth"], c["score"], c["q"], keep) for c in (full, kept)]
+        pick = [select(c["tok"], c["par"], c["depth"], c["score"], c["q"], keep) for c in (full, kept)]
         for key in ("parent", "depth"):
             assert torch.equal(pick[0][key], pick[1][key]), key
         node = pick[0]["parent"] >= 0                                # padding (a done row's): never verified
@@ -279,7 +280,7 @@ def test_drafting_stops_where_no_deeper_node_could_enter_the_tree(monkeypatch):
         levels["full"] += int(full["levels"].sum())
         levels["kept"] += int(kept["levels"].sum())
         return kept
-    monkeypatch.setattr(TreeEngine, "_draft", both)
+    monkeypatch.setattr(TreeProposer, "draft", both)
     out = engine.generate(cond, [3, 4])
     assert [r.tokens.tolist() for r in out] == [r.tokens.tolist() for r in ref]
     assert levels["kept"] < 0.8 * levels["full"], levels

@@ -33,7 +33,7 @@ def config(overrides: list[str]):
 def direct(c) -> dict:
     """The engine alone, in process, with the actor's thread count and batches."""
     from actors.generator import Generator
-    from decoding.engines.base import Request
+    from decoding.engines.requests import Request
     from decoding.sampling import prompt_seed
     from workflows.prompts import read_prompts
     items = [{**it, "seed": prompt_seed(c.seed, it["prompt_id"])} for it in read_prompts(c.data)]

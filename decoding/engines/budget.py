@@ -1,54 +1,12 @@
-"""How many draft tokens a tree step verifies: the choice that maximises committed tokens per second for
-this batch on this device (docs/design.md, "Budgets").
+"""How many draft tokens a step verifies (K nodes per row; K = 0: a plain step, vanilla's): the choice that
+maximises committed tokens per second for this batch on this device (docs/design.md, "Budgets").
 
-A step either speculates with K nodes per row (K <= total_tokens) or is a plain step (K = 0: one target
-forward over the last token, no drafter at all: vanilla's step). Two sources decide it.
-
-The cost model proposes. For a step over R cache rows:
-
-    tokens(K) = 1 + v_1 + ... + v_K per row        v_k: how often a row's k-th best node is accepted
-    time(K)   = draft(K) + target(R, 1 + K) + overhead_spec          time(0) = target(R, 1) + overhead_plain
-
-with target(), drafter() and the overheads (a step's work outside its forwards, per R) from the cost
-table (cost.py: measured once per device and model, or given), draft(K) the drafter forwards of a tree
-of depth <= K (plus the catch-up on what was committed since the drafter last ran). `plan` takes the
-model's best K. After drafting, `choose` takes each row's actual nodes, valued by the
-drafter's own path probabilities (as EAGLE-2 ranks them) times a learnt calibration, and picks K <= plan
-to verify.
-
-Goodput disposes. The model's acceptances come from the steps that speculated, the easier ones, and lean
-optimistic: the engine must not pay for that error with throughput below vanilla's. So the budget also
-keeps, per R, what each kind of step actually achieved: committed tokens per unfinished row per ms of
-the step's price (the engine prices each step it took from the cost table, never from the clock, so
-that the same table and prompts give the same decisions on every run), for plain steps and for speculative steps by the bucket of their plan (K = 1,
-2, 3-4, 5-8, 9-16, ...). Per row, because every row of the cache is computed whether or not it is
-finished, so the ratio of the two kinds does not depend on how many rows are busy. The rule (`plan`):
-
-1. the plain step's rate is not known well (the first FLOOR_SAMPLES steps) or not recently (no plain
-   step for FLOOR_EVERY steps): a plain step (at worst 1/FLOOR_EVERY of the steps forgo speculation);
-2. take the model's best K > 0; while its bucket was measured below MARGIN x plain, step down a
-   bucket (a smaller tree drafts and verifies less). A bucket measured above that is taken whatever
-   the model says; an unmeasured one only if the model expects it to beat a plain step by MARGIN too (the
-   model's acceptance comes from the steps that speculated, the easier ones, and leans optimistic: at
-   batch 16 on a CPU it tried three buckets it put at 1.01-1.07x plain, each measured 0.62-0.75x); else
-   the step is plain (K = 0, also when every bucket down to K = 1 measured below plain);
-3. plain steps re-probe speculation, with the model's best K > 0 for PROBE_RUN steps, once `wait` steps
-   have passed since the last speculative one, or, where speculation has paid so far, as soon as the
-   rows' recent tokens were drawn with high target probability (CONFIDENT: a flat stretch after a busy
-   one, which a back-off of 32 plain steps used to miss); each probe whose run measures below MARGIN x plain at
-   least doubles `wait` (PROBE_MIN..PROBE_MAX); where speculation has lost more than it gained so far,
-   it also waits long enough that the steps the probe lost come to PROBE_SHARE of the steps until the
-   next one. Any speculative step that beats plain resets it. So a hard image costs a few probes, a
-   device where speculation loses and a probe costs several plain steps (batch 8-16 on a CPU) probes
-   rarely, and where speculation has paid (batch 1), probes keep finding easy stretches.
-
-A speculative bucket's estimate is a fast EMA (SPEC_EMA) that also ages with steps, not samples
-(untouched for d steps, it keeps weight SPEC_EMA**d against a new measurement), so a probe after a long
-plain stretch speaks for the image as it is now, and it is kept relative to the plain rate when it
-was measured; the plain rate is the median of the last PLAIN_LAST plain steps. The floor then holds
-by measurement: speculation runs only where it was measured to beat the plain step, up to one probe
-per `wait` steps. Plain steps teach v_k nothing (they accept no drafts): v_k keeps its last measured
-value.
+The cost model proposes: tokens(K) = 1 + v_1 + ... + v_K per row (v_k: how often a row's k-th best node
+is accepted) over time(K) = draft(K) + target(R, 1 + K) + overhead, from the cost table (cost.py). Goodput
+disposes: per R, what plain steps and each bucket of K actually committed per ms of the step's price (the
+engine prices each step from the cost table, never the clock). `plan` follows the rule in docs/design.md
+("The budget's rule"): measure the floor, step down past buckets measured below MARGIN x plain, probe
+back with a doubling back-off. `choose` then picks K <= plan from the rows' drafted candidates.
 """
 from __future__ import annotations
 
@@ -141,7 +99,7 @@ class Goodput:
 class Budget:
     def __init__(self, costs: CostTable | None, max_nodes: int, width: int, chain: int = 0):
         """A budget of tree steps: K = 1..max_nodes drafter nodes, drafted `width` wide. Or, given `chain`,
-        of chain steps (tree.py `_chain_step`): K = 1 is a chain of `chain` tokens the target drew itself,
+        of chain steps (proposers.py `ChainProposer`): K = 1 is a chain of `chain` tokens the target drew itself,
         verified with no drafter, and v_1 the drafts such a step commits.
 
         One length: a chain is worth what the steps before it drew (a draw at node k becomes the next
@@ -149,6 +107,7 @@ class Budget:
         see. Learnt per length, the budget took chains of 4 and reached 1.79x vanilla at batch 1 where
         chains of 16 reach 2.24x (8 prompts)."""
         self.chain = chain
+        self.kind = "chain" if chain else "spec"            # the cost table's name for its steps' overhead
         max_nodes = 1 if chain else max_nodes
         self.costs, self.max, self.width = costs, max_nodes, width
         self.verified = np.array([chain] if chain else range(1, max_nodes + 1))  # draft tokens a step of K verifies
@@ -174,15 +133,11 @@ class Budget:
             self._curve[key] = np.concatenate([[c.target(R, 1)], spec])
         return self._curve[key]
 
-    def overhead(self, R: int, plain: bool = False) -> float:
-        """ms of a step's work outside its forwards over R rows (the cost table's, per step kind)."""
-        return self.costs.overhead("plain" if plain else "chain" if self.chain else "spec", R)
-
     def _spec_rates(self, R: int, pending: int) -> tuple[np.ndarray, int]:
         """The cost model's expected tokens per row per ms for K = 1..max [max], and its best K. Kept
         until the acceptance changes (only speculative steps change it): numpy's few small ops cost 80 us
         a plan, 1% of a plain step at batch 8 on a CPU."""
-        o = self.overhead(R)
+        o = self.costs.overhead(self.kind, R)
         token = (o, self.value.tobytes())
         hit = self._spec.get((R, pending))
         if hit is None or hit[0] != token:
@@ -190,13 +145,10 @@ class Budget:
             hit = self._spec[(R, pending)] = (token, rates, int(np.argmax(rates)) + 1)
         return hit[1], hit[2]
 
-    def _plain_rate(self, R: int, pending: int) -> float:
-        """The cost model's expected tokens per row per ms of a plain step."""
-        return 1.0 / (float(self._forwards(R, pending)[0]) + self.overhead(R, plain=True))
-
     def model_rates(self, R: int, pending: int) -> np.ndarray:
-        """The cost model's expected tokens per row per ms for K = 0..max."""
-        return np.concatenate([[self._plain_rate(R, pending)], self._spec_rates(R, pending)[0]])
+        """The cost model's expected tokens per row per ms for K = 0..max (0: a plain step)."""
+        plain = 1.0 / (float(self._forwards(R, pending)[0]) + self.costs.overhead("plain", R))
+        return np.concatenate([[plain], self._spec_rates(R, pending)[0]])
 
     def model_plan(self, R: int, pending: int) -> int:
         """The cost model's own choice of K (0: plain), before any measured goodput."""
@@ -239,7 +191,7 @@ class Budget:
         K = best                                             # the model's best tree
         while K > 0 and g.below_plain(bucket(K)):            # step down past buckets measured worse
             K = 2 ** (bucket(K) - 2) if bucket(K) > 1 else 0
-        if K > 0 and bucket(K) not in g.rate and rates[K - 1] < MARGIN * self._plain_rate(R, pending):
+        if K > 0 and bucket(K) not in g.rate and rates[K - 1] < MARGIN * self.model_rates(R, pending)[0]:
             K = 0                                            # unmeasured: the model's word, with the margin
         return K, best
 
@@ -288,7 +240,7 @@ class Budget:
         v = values[:, :plan].float().sum(0).cpu().numpy() * self.calibration     # Σ over rows of the k-th best
         prompts = int((values[:, 0] > 0).sum())
         gain = prompts + np.concatenate([[0.0], np.cumsum(v)])
-        c, o = self.costs, self.overhead(R)
+        c, o = self.costs, self.costs.overhead(self.kind, R)
         rate = [gain[K] / (drafted_ms + c.target(R, 1 + K) + o) for K in range(plan + 1)]
         return int(np.argmax(rate))
 

@@ -107,17 +107,7 @@ class CSpD(ContinuousEngine):
             done += counts[k]
         fallbacks = torch.zeros((), dtype=torch.long, device=dev)
         for window in self.windows:
-            drafted, q, xs = tokens.clone(), [], []
-            end = done
-            for k in window:                                            # draft num_draft steps
-                pos = order[:, end:end + counts[k]]
-                with log.phase("draft_transformer"):
-                    z = self.features(self.draft, drafted, order[:, :end], buf_q)
-                with log.phase("draft_diffusion"):
-                    q.append(self.head(self.draft, z, pos, self.scales([k], B), streams))
-                    xs.append(q[-1].x + q[-1].sigma0 * self.final_noise(streams, pos))   # a draw of q's final Gaussian
-                drafted.scatter_(1, pos[..., None].expand(-1, -1, C), xs[-1])
-                end += counts[k]
+            q, xs, end = self._draft_window(tokens, order, done, window, buf_q, streams, log)
             pos = order[:, done:end]                                     # [B, m]: the window's tokens
             with log.phase("target_transformer"):                       # one target step, pre-window mask
                 z = self.features(self.mar, tokens, order[:, :done], buf_p)
@@ -140,6 +130,22 @@ class CSpD(ContinuousEngine):
                          f"{B * N} tokens; they took the target's own aligned sample (tokens table: fallback)")
         log.latents = tokens
         return log
+
+    def _draft_window(self, tokens, order, done: int, window: list, buf_q, streams, log):
+        """The draft's num_draft AR steps of a window from `done` committed tokens: (its HeadSamples, the
+        proposals drawn from their final Gaussians [B, n_k, C] each, the window's end)."""
+        B, C, counts = len(streams), self.C, [n for n, _ in self.plan]
+        drafted, q, xs, end = tokens.clone(), [], [], done
+        for k in window:
+            pos = order[:, end:end + counts[k]]
+            with log.phase("draft_transformer"):
+                z = self.features(self.draft, drafted, order[:, :end], buf_q)
+            with log.phase("draft_diffusion"):
+                q.append(self.head(self.draft, z, pos, self.scales([k], B), streams))
+                xs.append(q[-1].x + q[-1].sigma0 * self.final_noise(streams, pos))   # a draw of q's final Gaussian
+            drafted.scatter_(1, pos[..., None].expand(-1, -1, C), xs[-1])
+            end += counts[k]
+        return q, xs, end
 
     def verify(self, q: list, x: torch.Tensor, p, pos: torch.Tensor, streams):
         """q: the window's draft HeadSamples (one per step, [B, n_k, C]), x [B, m, C] its proposals, p: the

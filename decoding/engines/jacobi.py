@@ -107,13 +107,19 @@ class Jacobi(Engine):
     """The Jacobi loop; subclasses choose how drafts are carried into the next window (`carry`)."""
 
     def _generate(self, cond, streams):
+        target, log, tok, q = self._begin(cond, streams)
+        step = 0
+        while bool((log.n < self.N).any()):
+            step += 1
+            tok, q = self._iteration(target, log, streams, tok, q, step)
+        return log
+
+    def _begin(self, cond, streams):
+        """Prefill, the first token, and the first window: (target cache, log, window [B, W], q [B, W, V])."""
         B, L, N, W, dev = len(streams), self.L, self.N, self.cfg.window, self.device
         R = 2 * B if self.sampling.use_cfg else B
         target = CachedModel(self.gpt, R, L + N + W + 1, self.bundle.dtype)
         log = TokenLog(B, N, self.G, dev)
-        lanes = torch.arange(W + 1, device=dev)
-        V = self.gpt.args.vocab_size
-
         feats, _ = self.prefill(target, cond)
         p0 = self.target_probs(feats[:, -1])
         x0 = sample(p0, streams.bits(SAMPLE, 0, 0))
@@ -122,41 +128,39 @@ class Jacobi(Engine):
         log.target_forwards += 1
         none_carried = torch.zeros(B, W, dtype=torch.bool, device=dev)
         tok, q = self._init(streams, log, none_carried, torch.zeros(B, W, dtype=torch.long, device=dev),
-                            torch.zeros(B, W, V, device=dev), 0)
+                            torch.zeros(B, W, self.gpt.args.vocab_size, device=dev), 0)
+        return target, log, tok, q
 
-        step = 0
-        while True:
-            active = log.n < N
-            if not active.any():
-                break
-            step += 1
-            n = log.n.clone()
-            with log.phase("verify"):
-                p = self._forward(target, log, n, tok)                          # [B, W + 1, V]
-            with log.phase("accept"):
-                pos = n[:, None] + lanes                                          # token position of each lane
-                passed, fix = trial(p[:, :W], q, tok, streams.uniform(ACCEPT, pos[:, :W], step),
-                                    streams.bits(SAMPLE, pos[:, :W], step))
-                bonus = sample(p[:, W], streams.bits(SAMPLE, pos[:, W], step))
-                fix = torch.cat([fix, bonus[:, None]], 1)                         # [B, W + 1]
-                m = (passed & (pos[:, :W] < N)).long().cummin(1).values.sum(1)         # accepted drafts
-                count = torch.where(active, torch.minimum(m + 1, N - n), 0)
-                is_draft = lanes < m[:, None]
-                out = torch.where(is_draft, torch.cat([tok, fix[:, W:]], 1), fix)  # lanes <= m: committed
-                nan = torch.full_like(p[:, :1, 0], float("nan"))
-                log.commit(count, token_id=out, accepted=is_draft, step=step, accept_len=count, proposer=Proposer.JACOBI,
-                           p_target=p.gather(2, out[..., None])[..., 0],
-                           q_draft=torch.where(is_draft, torch.cat([q.gather(2, tok[..., None])[..., 0], nan], 1), nan))
-                log.target_forwards += active.long()
-                slots = L + n[:, None] - 1 + lanes                                # c and the accepted drafts
-                target.commit(self.rows(slots), self.rows((lanes <= m[:, None]) & active[:, None]))
-            with log.phase("draft"):
-                next_tok, next_q = self.carry(streams, p, q, tok, passed, fix, pos, step)  # [B, W + 1(, V)]
-                src = m[:, None] + 1 + lanes[:W]                                  # old lane of next lane k
-                at = src.clamp(max=W)
-                tok, q = self._init(streams, log, src <= W, next_tok.gather(1, at),
-                                    next_q.gather(1, at[..., None].expand(-1, -1, V)), step)
-        return log
+    def _iteration(self, target, log, streams, tok, q, step):
+        """One iteration (module docstring: verify, accept, draft the next window). Returns the next window."""
+        L, N, W, V = self.L, self.N, self.cfg.window, self.gpt.args.vocab_size
+        lanes = torch.arange(W + 1, device=self.device)
+        active, n = log.n < N, log.n.clone()
+        with log.phase("verify"):
+            p = self._forward(target, log, n, tok)                              # [B, W + 1, V]
+        with log.phase("accept"):
+            pos = n[:, None] + lanes                                              # token position of each lane
+            passed, fix = trial(p[:, :W], q, tok, streams.uniform(ACCEPT, pos[:, :W], step),
+                                streams.bits(SAMPLE, pos[:, :W], step))
+            bonus = sample(p[:, W], streams.bits(SAMPLE, pos[:, W], step))
+            fix = torch.cat([fix, bonus[:, None]], 1)                             # [B, W + 1]
+            m = (passed & (pos[:, :W] < N)).long().cummin(1).values.sum(1)        # accepted drafts
+            count = torch.where(active, torch.minimum(m + 1, N - n), 0)
+            is_draft = lanes < m[:, None]
+            out = torch.where(is_draft, torch.cat([tok, fix[:, W:]], 1), fix)      # lanes <= m: committed
+            nan = torch.full_like(p[:, :1, 0], float("nan"))
+            log.commit(count, token_id=out, accepted=is_draft, step=step, accept_len=count, proposer=Proposer.JACOBI,
+                       p_target=p.gather(2, out[..., None])[..., 0],
+                       q_draft=torch.where(is_draft, torch.cat([q.gather(2, tok[..., None])[..., 0], nan], 1), nan))
+            log.target_forwards += active.long()
+            slots = L + n[:, None] - 1 + lanes                                    # c and the accepted drafts
+            target.commit(self.rows(slots), self.rows((lanes <= m[:, None]) & active[:, None]))
+        with log.phase("draft"):
+            next_tok, next_q = self.carry(streams, p, q, tok, passed, fix, pos, step)  # [B, W + 1(, V)]
+            src = m[:, None] + 1 + lanes[:W]                                      # old lane of next lane k
+            at = src.clamp(max=W)
+            return self._init(streams, log, src <= W, next_tok.gather(1, at),
+                              next_q.gather(1, at[..., None].expand(-1, -1, V)), step)
 
     # -- one target forward over [c, drafts] ------------------------------------------------------------
     def _forward(self, target: CachedModel, log: TokenLog, n: torch.Tensor, tok: torch.Tensor) -> torch.Tensor:

@@ -80,7 +80,7 @@ class AdjacencyAdaptive:
         self.first[rows] = False
 
     def copy_rows(self, old: "AdjacencyAdaptive", dst, src) -> None:
-        """Rows dst continue old's rows src (the engine regrouped its batch: base.SlotEngine._regroup)."""
+        """Rows dst continue old's rows src (the engine regrouped its batch: scheduler.py)."""
         for name in ("state", "row", "row_start", "first"):
             getattr(self, name)[dst] = getattr(old, name)[src]
 

@@ -3,12 +3,13 @@ speedup is measured against, and the distribution the lossless engines must repr
 from __future__ import annotations
 
 from dataclasses import dataclass
-from types import SimpleNamespace
 
 import torch
 
-from decoding.engines.base import CachedModel, EngineConfig, SlotEngine, parked, visible
+from decoding.engines.base import CachedModel, EngineConfig, parked, visible
 from decoding.engines.log import TokenLog
+from decoding.engines.scheduler import SlotEngine
+from decoding.engines.state import BatchState, per_slot
 from decoding.engines.verify import draws
 from decoding.sampling import Streams, sample
 
@@ -18,19 +19,23 @@ class VanillaConfig(EngineConfig):
     name: str = "vanilla"
 
 
+@dataclass
+class VanillaState(BatchState):
+    probs: torch.Tensor | None = per_slot(default=None)   # [slots, V] each row's next-token distribution
+
+
 class Vanilla(SlotEngine):
     name, Config = "vanilla", VanillaConfig
 
-    def _start(self, slots: int):
+    def start(self, slots: int):
         R = 2 * slots if self.sampling.use_cfg else slots
         log = TokenLog(slots, self.N, self.G, self.device)
         log.n[:] = self.N                                             # empty slots are finished rows
         streams = Streams([0] * slots, self.device)
-        return SimpleNamespace(slots=slots, log=log, streams=streams, keys=draws(streams, self.N),
-                               target=CachedModel(self.gpt, R, self.L + self.N, self.bundle.dtype),
-                               probs=None)
+        return VanillaState(slots, log, streams, draws(streams, self.N),
+                            CachedModel(self.gpt, R, self.L + self.N, self.bundle.dtype))
 
-    def _admit(self, st, rows, cond, seeds):
+    def admit(self, st, rows, cond, seeds):
         st.log.reset(rows)
         st.streams.reseed(rows, seeds)
         st.keys[rows] = draws(st.streams, self.N)[rows]
@@ -50,7 +55,7 @@ class Vanilla(SlotEngine):
         log.commit(count, token_id=x, p_target=st.probs.gather(1, x[:, None])[:, 0], step=log.n, accept_len=1)
         log.target_forwards += count
 
-    def _step(self, st):
+    def step(self, st):
         log, L = st.log, self.L
         with log.phase("forward"):
             last = L + log.n.clamp(max=self.N)[:, None] - 1                     # the last token's position

@@ -23,6 +23,7 @@ from functools import cached_property
 
 import torch
 
+from decoding.engines.base import visible
 from decoding.sampling import SAMPLE, Streams, sample
 
 
@@ -149,3 +150,46 @@ def codebook_neighbours(codebook: torch.Tensor, k: int, chunk: int = 1024) -> to
         d[torch.arange(d.shape[0]), torch.arange(s, s + d.shape[0])] = float("inf")
         out.append(d.topk(k, -1, largest=False).indices)
     return torch.cat(out)
+
+
+class Verifier:
+    """The target's side of a speculative step, for any proposer's tree: one forward over [root, nodes]
+    under the tree mask, `verify`, and the token log's record of the accepted path and the bonus."""
+
+    def __init__(self, engine, lantern: Lantern | None = None):
+        self.e, self.lantern = engine, lantern
+
+    def forward(self, target, tree: Tree, P):
+        """Target forward over the block [root, nodes], each node seeing the committed prefix and its own
+        path, the root at slot P [B]. Returns (filtered probs [B, T, V], features [R, T, dim])."""
+        e, T = self.e, tree.tok.shape[1]
+        slots = P[:, None] + torch.arange(T, device=e.device)
+        anc = tree.ancestors.clone()
+        anc[:, :, 0] = True                                               # everyone sees the root
+        see = torch.where(anc, slots[:, None, :], slots[:, :, None])       # [B, T, T] slots seen (or self)
+        pos = (P[:, None] + tree.depth).clamp(max=e.L + e.N - 1)
+        f = e.gpt.forward_embeds(e.gpt.embed_tokens(e.rows(tree.tok)), e.rows(pos),
+                                 visible(target.valid, e.rows(see)), e.rows(slots))
+        return e.target_probs(f), f
+
+    def accept(self, st, prop, probs, n, active) -> tuple[Verdict, torch.Tensor]:
+        """The verdict on `prop`'s trees, written to the log at each token's position. Returns (verdict,
+        the block indices of [root, path nodes in depth order] [B, T + 1], past a row's path 0)."""
+        tree, log, N = prop.tree, st.log, self.e.N
+        v = verify(tree, probs, node_keys(st.keys, n, tree), self.lantern)
+        B, T = tree.tok.shape
+        k = v.on_path.long().cumsum(1) - 1                                # place in the path
+        pos = torch.cat([torch.where(v.on_path, n[:, None] + k, N), (n + v.accepted)[:, None]], 1)
+        count = torch.where(active, v.accepted + 1, 0)
+        nan = torch.full_like(v.p_bonus[:, None], float("nan"))
+        log.write(torch.where(active[:, None], pos, N), token_id=torch.cat([tree.tok, v.bonus[:, None]], 1),
+                  accepted=torch.cat([v.on_path, torch.zeros_like(v.on_path[:, :1])], 1),
+                  p_target=torch.cat([v.p_node, v.p_bonus[:, None]], 1), q_draft=torch.cat([tree.q, nan], 1),
+                  step=st.step, accept_len=count, tree_depth=prop.d, tree_width=prop.w, budget=prop.K,
+                  proposer=prop.kind)
+        log.n += count
+        log.target_forwards += active.long()
+        idx = torch.arange(T, device=probs.device)
+        path = torch.zeros(B, T + 1, dtype=torch.long, device=probs.device).scatter_(
+            1, torch.where(v.on_path, k + 1, T), idx.expand(B, T))
+        return v, path
