@@ -121,8 +121,10 @@ def test_the_test_rejects_a_wrong_rule(small, monkeypatch, rule):
 
 # -- deterministic ----------------------------------------------------------------------------------------
 def record_windows(engine) -> list:
-    """Wrap the engine's window forward: keep (n, window drafts, p) of every iteration."""
+    """Wrap the engine's window forward: keep (n, window drafts, p) of every iteration (rows keep their
+    places: prompt b in row b)."""
     calls, forward = [], engine._forward
+    engine.regroups = False
 
     def spy(target, log, n, tok):
         p = forward(target, log, n, tok)

@@ -22,14 +22,15 @@ from tests.test_chain import mixed
 CASES = {"vanilla": ({}, None),
          "eagle2": (dict(TREES["eagle2"], budget="fixed"), [0, 3, 0, 6, 8]),
          "adt_tree": (dict(TREES["adt_tree"], budget="fixed"), [0, 3, 0, 6, 8]),
-         "adt_tree_chains": (dict(total_tokens=6, chain=5, costs=COSTS), None)}
+         "adt_tree_chains": (dict(total_tokens=6, chain=5, costs=COSTS), None),
+         "mc_sjd": (dict(window=3), None), "sjd": (dict(window=2, init="repeat"), None)}
 
 
 def setup(case):
     bundle = tiny_bundle(vocab=8, grid=4, seed=1, std=0.3)
     kw, pattern = CASES[case]
     engine = build_engine(bundle, engine_config(case.replace("_chains", ""), sampling=SAMPLING, **kw))
-    if case != "vanilla":
+    if "total_tokens" in kw or case in ("eagle2", "adt_tree"):
         engine.refill = 0
         engine.planner.room = lambda st: (None, True)   # no hold from the measured width cost: the plan runs
     if case.endswith("chains"):
@@ -49,9 +50,9 @@ def vanillas(bundle, seeds):
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_the_rows_left_at_the_end_of_a_stream_regroup_and_keep_their_images(case):
-    """Tokens are vanilla's, and every record of every token (the step, accepted drafts, tree shape,
-    budget, draft and target probabilities, forwards) is what the same stream logs without regrouping:
-    a row's drafter state, tree policy and chain went with it."""
+    """Tokens are vanilla's (the exact-token engines), and every record of every token (the token, the step,
+    accepted drafts, tree shape, budget, draft and target probabilities, forwards) is what the same stream
+    logs without regrouping: a row's drafter state, tree policy, chain or Jacobi window went with it."""
     seeds = [500 + i for i in range(6)]
     runs = {}
     for regroup in (False, True):
@@ -61,7 +62,8 @@ def test_the_rows_left_at_the_end_of_a_stream_regroup_and_keep_their_images(case
         outs = list(engine.stream(requests, slots=4))
         assert not any(o.error for o in outs), [o.error for o in outs if o.error]
         runs[regroup] = {o.key: o.result for o in outs}
-    assert {k: r.tokens.tolist() for k, r in runs[True].items()} == dict(enumerate(vanillas(bundle, seeds)))
+    if case not in ("sjd", "mc_sjd"):                                    # (Jacobi: vanilla's law, not its tokens)
+        assert {k: r.tokens.tolist() for k, r in runs[True].items()} == dict(enumerate(vanillas(bundle, seeds)))
     assert keeps and min(rows) < 8                                       # steps ran over fewer than 4 x 2 rows
     if case != "vanilla":                                                # (vanilla's rows finish together)
         assert any(k != list(range(len(k))) for k in keeps)             # rows moved to other rows
@@ -153,3 +155,31 @@ def test_an_image_reports_the_batch_it_actually_ran_in():
     outs = list(engine.stream([Request(c, i, i) for i, c in enumerate(labels(12).split())], slots=8))
     batch = [o.result.batch for o in outs]
     assert max(batch) == 8 and min(batch) < 8 and all(1 <= x <= 8 for x in batch), batch
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_every_tensor_of_a_state_declares_the_rows_its_shape_has(case):
+    """A regroup moves what a state's fields declare (state.py): a field whose first dimension is the
+    batch's slots must be per slot, one whose first is its cache rows per cache row, and nothing per row may
+    be carried as it is (it would keep the old batch's rows in the new one). Checked on every field of a
+    3-slot batch after a prompt was admitted and a step ran."""
+    from dataclasses import fields
+
+    from decoding.engines.state import CACHE, CARRY, SLOT
+    bundle, engine, _, _ = setup(case)
+    st = engine.start(3)
+    engine.admit(st, torch.tensor([1]), labels(1), [7])
+    engine.step(st)
+    per = 2 if engine.sampling.use_cfg else 1
+    for f in fields(st):
+        value, kind = getattr(st, f.name), f.metadata.get("rows")
+        rows = len(value) if torch.is_tensor(value) and value.dim() else getattr(value, "slots", None)
+        if hasattr(value, "valid"):                                     # a CachedModel
+            rows = value.valid.shape[0]
+        if kind == SLOT:
+            assert rows in (3, None), (f.name, rows)
+        elif kind == CACHE:
+            assert rows in (3 * per, None), (f.name, rows)
+        else:
+            assert not torch.is_tensor(value) and not hasattr(value, "copy_rows"), (f.name, kind)
+            assert kind != CARRY or isinstance(value, (int, float)), f.name

@@ -30,8 +30,9 @@ random token has law uniform, a copy of the left neighbour is a function of H_<j
 test and residual of step 2 then commit exactly p_j. So the stored q of a coupled draft is p_i, whether
 it was kept or redrawn, never q_old (docs/design.md; tests/test_jacobi.py breaks each rule on purpose).
 
-Random numbers are keyed by (token position, iteration), so an image does not depend on its batch.
-The step has no loop over rows; the host reads back only "is any row unfinished".
+Random numbers are keyed by (token position, the row's own iteration), so an image does not depend on its
+batch or on when it joined it: the engines run in continuous batching (scheduler.py) like the others.
+The step has no loop over rows and reads nothing back from the device.
 """
 from __future__ import annotations
 
@@ -39,8 +40,10 @@ from dataclasses import dataclass
 
 import torch
 
-from decoding.engines.base import CachedModel, Engine, EngineConfig, parked, visible
+from decoding.engines.base import CachedModel, EngineConfig, parked, visible
 from decoding.engines.log import Proposer, TokenLog
+from decoding.engines.scheduler import SlotEngine
+from decoding.engines.state import BatchState, per_slot
 from decoding.sampling import ACCEPT, GUMBEL, JACOBI, SAMPLE, Streams, sample
 
 RESIDUAL_FLOOR = 1e-6   # a residual max(p - q, 0) with less mass than this is rounding: draw from p
@@ -103,64 +106,76 @@ def trial(p: torch.Tensor, q: torch.Tensor, x: torch.Tensor, u: torch.Tensor, ke
     return (px > 0) & ((px >= qx) | (u * qx < px)), sample(residual(p, q), key_res)
 
 
-class Jacobi(Engine):
-    """The Jacobi loop; subclasses choose how drafts are carried into the next window (`carry`)."""
+@dataclass
+class JacobiState(BatchState):
+    tok: torch.Tensor = per_slot(default=None)     # [slots, W] each row's window
+    q: torch.Tensor = per_slot(default=None)       # [slots, W, V] the law each draft is scored with
+    it: torch.Tensor = per_slot(default=None)      # [slots] iterations the row ran: a counter of its draws
 
-    def _generate(self, cond, streams):
-        target, log, tok, q = self._begin(cond, streams)
-        step = 0
-        while bool((log.n < self.N).any()):
-            step += 1
-            tok, q = self._iteration(target, log, streams, tok, q, step)
-        return log
 
-    def _begin(self, cond, streams):
-        """Prefill, the first token, and the first window: (target cache, log, window [B, W], q [B, W, V])."""
-        B, L, N, W, dev = len(streams), self.L, self.N, self.cfg.window, self.device
-        R = 2 * B if self.sampling.use_cfg else B
-        target = CachedModel(self.gpt, R, L + N + W + 1, self.bundle.dtype)
-        log = TokenLog(B, N, self.G, dev)
-        feats, _ = self.prefill(target, cond)
+class Jacobi(SlotEngine):
+    """The Jacobi loop over a continuous batch (scheduler.py); subclasses choose how drafts are carried into
+    the next window (`carry`). A row's random draws are keyed by its own iteration count, so an image does
+    not depend on when it joined the batch."""
+
+    def start(self, slots: int) -> JacobiState:
+        L, N, W, V, dev = self.L, self.N, self.cfg.window, self.gpt.args.vocab_size, self.device
+        R = 2 * slots if self.sampling.use_cfg else slots
+        log = TokenLog(slots, N, self.G, dev)
+        log.n[:] = N                                                       # empty slots are finished rows
+        return JacobiState(slots, log, Streams([0] * slots, dev), None,
+                           CachedModel(self.gpt, R, L + N + W + 1, self.bundle.dtype),
+                           tok=torch.zeros(slots, W, dtype=torch.long, device=dev),
+                           q=torch.zeros(slots, W, V, device=dev), it=torch.zeros(slots, dtype=torch.long, device=dev))
+
+    def admit(self, st, rows, cond, seeds):
+        """Prefill new prompts into rows, draw their first token, and initialise their windows."""
+        log, dev = st.log, self.device
+        log.reset(rows)
+        st.streams.reseed(rows, seeds)
+        st.it[rows] = 0
+        feats, _ = self.prefill(st.target, cond, rows, st.slots)
         p0 = self.target_probs(feats[:, -1])
-        x0 = sample(p0, streams.bits(SAMPLE, 0, 0))
-        log.commit(torch.ones(B, dtype=torch.long, device=dev), token_id=x0, accept_len=1,
-                   p_target=p0.gather(1, x0[:, None])[:, 0])
-        log.target_forwards += 1
-        none_carried = torch.zeros(B, W, dtype=torch.bool, device=dev)
-        tok, q = self._init(streams, log, none_carried, torch.zeros(B, W, dtype=torch.long, device=dev),
-                            torch.zeros(B, W, self.gpt.args.vocab_size, device=dev), 0)
-        return target, log, tok, q
+        x0 = sample(p0, st.streams.bits(SAMPLE, 0, 0, rows=rows))
+        new = torch.zeros(st.slots, dtype=torch.long, device=dev).index_fill(0, rows, 1)
+        full = lambda v: torch.zeros(st.slots, dtype=v.dtype, device=dev).index_copy(0, rows, v)  # noqa: E731
+        log.commit(new, token_id=full(x0), accept_len=1, p_target=full(p0.gather(1, x0[:, None])[:, 0]))
+        log.target_forwards += new
+        tok, q = self._init(st.streams, log, torch.zeros_like(st.tok, dtype=torch.bool), st.tok, st.q, st.it[:, None])
+        st.tok[rows], st.q[rows] = tok[rows], q[rows]
 
-    def _iteration(self, target, log, streams, tok, q, step):
-        """One iteration (module docstring: verify, accept, draft the next window). Returns the next window."""
-        L, N, W, V = self.L, self.N, self.cfg.window, self.gpt.args.vocab_size
+    def step(self, st):
+        """One iteration of every unfinished row (module docstring: verify, accept, draft the next window)."""
+        log, L, N, W, V = st.log, self.L, self.N, self.cfg.window, self.gpt.args.vocab_size
         lanes = torch.arange(W + 1, device=self.device)
         active, n = log.n < N, log.n.clone()
+        st.it = st.it + active.long()
+        it, tok, q, streams = st.it[:, None], st.tok, st.q, st.streams
         with log.phase("verify"):
-            p = self._forward(target, log, n, tok)                              # [B, W + 1, V]
+            p = self._forward(st.target, log, n, tok)                           # [B, W + 1, V]
         with log.phase("accept"):
             pos = n[:, None] + lanes                                              # token position of each lane
-            passed, fix = trial(p[:, :W], q, tok, streams.uniform(ACCEPT, pos[:, :W], step),
-                                streams.bits(SAMPLE, pos[:, :W], step))
-            bonus = sample(p[:, W], streams.bits(SAMPLE, pos[:, W], step))
+            passed, fix = trial(p[:, :W], q, tok, streams.uniform(ACCEPT, pos[:, :W], it),
+                                streams.bits(SAMPLE, pos[:, :W], it))
+            bonus = sample(p[:, W], streams.bits(SAMPLE, pos[:, W], it[:, 0]))
             fix = torch.cat([fix, bonus[:, None]], 1)                             # [B, W + 1]
             m = (passed & (pos[:, :W] < N)).long().cummin(1).values.sum(1)        # accepted drafts
             count = torch.where(active, torch.minimum(m + 1, N - n), 0)
             is_draft = lanes < m[:, None]
             out = torch.where(is_draft, torch.cat([tok, fix[:, W:]], 1), fix)      # lanes <= m: committed
             nan = torch.full_like(p[:, :1, 0], float("nan"))
-            log.commit(count, token_id=out, accepted=is_draft, step=step, accept_len=count, proposer=Proposer.JACOBI,
+            log.commit(count, token_id=out, accepted=is_draft, step=st.it, accept_len=count, proposer=Proposer.JACOBI,
                        p_target=p.gather(2, out[..., None])[..., 0],
                        q_draft=torch.where(is_draft, torch.cat([q.gather(2, tok[..., None])[..., 0], nan], 1), nan))
             log.target_forwards += active.long()
             slots = L + n[:, None] - 1 + lanes                                    # c and the accepted drafts
-            target.commit(self.rows(slots), self.rows((lanes <= m[:, None]) & active[:, None]))
+            st.target.commit(self.rows(slots), self.rows((lanes <= m[:, None]) & active[:, None]))
         with log.phase("draft"):
-            next_tok, next_q = self.carry(streams, p, q, tok, passed, fix, pos, step)  # [B, W + 1(, V)]
+            next_tok, next_q = self.carry(streams, p, q, tok, passed, fix, pos, it)   # [B, W + 1(, V)]
             src = m[:, None] + 1 + lanes[:W]                                      # old lane of next lane k
             at = src.clamp(max=W)
-            return self._init(streams, log, src <= W, next_tok.gather(1, at),
-                              next_q.gather(1, at[..., None].expand(-1, -1, V)), step)
+            st.tok, st.q = self._init(streams, log, src <= W, next_tok.gather(1, at),
+                                      next_q.gather(1, at[..., None].expand(-1, -1, V)), it)
 
     # -- one target forward over [c, drafts] ------------------------------------------------------------
     def _forward(self, target: CachedModel, log: TokenLog, n: torch.Tensor, tok: torch.Tensor) -> torch.Tensor:
@@ -171,7 +186,7 @@ class Jacobi(Engine):
         pos = self.L + n[:, None] - 1 + lanes                                    # logical position = slot
         slots = parked(pos, n < self.N)
         see = torch.where(lanes[None, None, :] <= lanes[None, :, None], slots[:, None, :], slots[:, :, None])
-        f = self.gpt.forward_embeds(self.gpt.embed_tokens(self.rows(torch.cat([c, tok], 1))),
+        f = self.gpt.forward_embeds(self.gpt.embed_tokens(self.rows(torch.cat([c, tok], 1).clamp(min=0))),  # empty slot: any id
                                     self.rows(pos.clamp(max=self.L + self.N - 1)),
                                     visible(target.valid, self.rows(see)), self.rows(slots))
         return self.target_probs(f)
