@@ -61,6 +61,20 @@ def test_two_actors_on_two_nodes_and_identical_bytes_for_any_sharding(ray_cluste
     assert len(tok) == 12 * 16 and tok.groupby("prompt_id").token_index.nunique().eq(16).all()
 
 
+def test_rows_in_flight_and_the_part_size_are_two_settings(ray_cluster, tiny_weights, tmp_path):
+    """cluster.batch_size is the rows an actor decodes at once, cluster.part_size the prompts a part holds
+    (what is committed and resumed): 12 prompts in parts of 6, decoded 2 rows at a time, give 2 parts whose
+    images ran in batches of at most 2, and the bytes of any other split."""
+    six = job(*base(tiny_weights, tmp_path / "six", "data.limit=12", "cluster.batch_size=2", "cluster.part_size=6",
+                    "cluster.num_actors=1"))
+    one = job(*base(tiny_weights, tmp_path / "one", "data.limit=12", "cluster.batch_size=4", "cluster.num_actors=1"))
+    assert six["images"] == one["images"] == 12 and (six["batch_size"], six["part_size"]) == (2, 6)
+    assert len(list((tmp_path / "six" / "images").glob("part-*.parquet"))) == 2
+    assert len(list((tmp_path / "one" / "images").glob("part-*.parquet"))) == 3
+    assert images(tmp_path / "six").batch_size.max() <= 2
+    assert image_bytes(tmp_path / "six") == image_bytes(tmp_path / "one")
+
+
 @pytest.mark.parametrize("engine", ["mar", "cspd"])
 def test_continuous_engines_run_through_the_job(ray_cluster, tmp_path, engine):
     """The continuous half through actors and Parquet, as a user runs it (model=mar, the shipped models)."""

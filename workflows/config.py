@@ -51,7 +51,10 @@ class ClusterConfig:
                                           # nodes); then run on those placed, or fail in one line if none
     num_cpus_per_actor: float = 1.0
     num_gpus_per_actor: float = 0.0
-    batch_size: int = 8
+    batch_size: int = 8                   # rows each actor decodes at once (continuous batching: a row whose
+                                          # image is done takes the next prompt)
+    part_size: Optional[int] = None       # prompts per part, the unit written, committed, retried and resumed;
+                                          # null = batch_size. Larger parts: fewer files
     local_num_cpus: Optional[int] = None  # logical CPUs of the local Ray; null = enough for the actors
     max_actor_restarts: int = 3
     torch_threads: Optional[int] = None   # null = num_cpus_per_actor

@@ -157,7 +157,7 @@ def validate(c: GenerateConfig) -> None:
     from decoding.engines import check_engine
     from decoding.registry import family, inspect_model
     cl = c.cluster
-    for key in ("num_actors", "batch_size"):
+    for key in ("num_actors", "batch_size", "part_size"):
         if getattr(cl, key) is not None and getattr(cl, key) < 1:
             raise ConfigError(f"cluster.{key}={getattr(cl, key)}: must be >= 1")
     if c.verify not in ("quick", "full"):
@@ -321,6 +321,7 @@ def summarize(t: Tally, c: GenerateConfig, total: int, already: int, seconds: fl
             "write_seconds": round(t.write_s, 2),
             "ray_start_seconds": round(ray_start_s, 2), **actor_timeline(t, ray_ready),
             "num_actors": c.cluster.num_actors, "actors": actors, "batch_size": c.cluster.batch_size,
+            "part_size": c.cluster.part_size or c.cluster.batch_size,
             "nodes": len(t.nodes),
             "out_dir": c.out_dir}
 
@@ -339,7 +340,7 @@ def plan_job(c: GenerateConfig, verify: str = "quick"):
         check_out_dir(out_dir, fp)
     parts = recover(out_dir, verify) if started else {}
     check = prompt_check(c.model)
-    plan = Plan(source, CommittedIndex(out_dir, parts), c.cluster.batch_size, c.seed,
+    plan = Plan(source, CommittedIndex(out_dir, parts), c.cluster.part_size or c.cluster.batch_size, c.seed,
                 check=None if check is None else lambda chunk: check([r["prompt"] for r in chunk]))
     del parts
     try:
