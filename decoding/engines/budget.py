@@ -27,12 +27,9 @@ MARGIN = 1.1     # speculation must beat the plain rate by 10% to be taken, or t
                  # step's time is noisy, and a false "it pays" costs a run of slower steps
 PROBE_MIN, PROBE_MAX = 4, 1024   # plain steps before speculation is probed again (doubling on each failure)
 PROBE_SHARE = 0.005  # at most this share of the steps lost to probes that fail: a failed probe that lost x
-                     # plain steps waits x / PROBE_SHARE (at batch 16 on a CPU a probe loses 3-4 plain steps,
-                     # and doubling from 4 probed 4 times in an image of 256 tokens, 4-5% of its time; 0.02
-                     # still cost 2%: in one process, batch 16, 0.972x vanilla against 0.985x with 0.005)
+                     # plain steps waits x / PROBE_SHARE (docs/measurements.md, "Budget constants")
 PROBE_RUN = 3    # speculative steps a probe takes, judged together: the first one pays the drafter's catch-up
-                 # on the plain stretch before it, which speculation that pays pays once per run (at batch
-                 # 1 on a CPU, single probes measured 0.66-0.77x plain where steady speculation gives 1.1x)
+                 # on the plain stretch before it, which speculation that pays pays once per run
 CHAIN_RUN = 8    # a chain's probe: its first steps verify drafts copied from the row above, its later ones the
                  # target's own draws, which is where a chain pays; the whole run is judged
 CHAIN_EMA = 0.9  # a chain's rate follows the image more slowly than a tree's: a chain step commits all of it
@@ -40,13 +37,12 @@ CHAIN_EMA = 0.9  # a chain's rate follows the image more slowly than a tree's: a
                  # busy stretch, and the back-off kept it off through the flat ones that followed
 CONFIDENT = 0.9  # a plain stretch whose least confident row drew its last tokens at target probability >= this
                  # on average probes at once where speculation has paid (the mean probability of the token
-                 # drawn estimates Σp², the chance a draft of it is accepted). Batch 1, 16 prompts of another
-                 # draw than the one it was chosen on: 1.007x -> 1.083x vanilla (0.8: 1.051x, 0.95: 1.028x)
+                 # drawn estimates Σp², the chance a draft of it is accepted)
 FLOOR_SAMPLES, FLOOR_EVERY = 2, 32  # plain steps measured first, and then at least one per FLOOR_EVERY steps
 
 
 def _median(xs) -> float:
-    """Median of a few floats; numpy's costs 0.1 ms, 1-2% of a plain step at batch 8 on a CPU."""
+    """Median of a few floats (numpy's costs more than the rest of a plan)."""
     s = sorted(xs)
     return float(s[len(s) // 2] if len(s) % 2 else (s[len(s) // 2 - 1] + s[len(s) // 2]) / 2)
 
@@ -77,7 +73,7 @@ class Goodput:
         """rate[0] is the plain step's tokens / row / ms (the median of the last PLAIN_LAST); rate[b > 0] a
         speculative bucket's rate over the plain rate at the time it was measured. Relative, because
         steps of both kinds slow down alike as the rows' positions grow (attention reads every row up to
-        the longest, 2x from the start of an image to its end on a CPU): an absolute rate measured early
+        the longest): an absolute rate measured early
         in an image beat a plain rate measured late and turned speculation on for nothing. A speculative
         bucket's estimate ages with the steps since it was measured (the image changes)."""
         if b == 0:
@@ -104,8 +100,7 @@ class Budget:
 
         One length: a chain is worth what the steps before it drew (a draw at node k becomes the next
         chain's draft), so a shorter chain also makes the next ones worse, which no per-step value can
-        see. Learnt per length, the budget took chains of 4 and reached 1.79x vanilla at batch 1 where
-        chains of 16 reach 2.24x (8 prompts)."""
+        see (docs/measurements.md, "Budget constants")."""
         self.chain = chain
         self.kind = "chain" if chain else "spec"            # the cost table's name for its steps' overhead
         max_nodes = 1 if chain else max_nodes
@@ -135,8 +130,7 @@ class Budget:
 
     def _spec_rates(self, R: int, pending: int) -> tuple[np.ndarray, int]:
         """The cost model's expected tokens per row per ms for K = 1..max [max], and its best K. Kept
-        until the acceptance changes (only speculative steps change it): numpy's few small ops cost 80 us
-        a plan, 1% of a plain step at batch 8 on a CPU."""
+        until the acceptance changes (only speculative steps change it)."""
         o = self.costs.overhead(self.kind, R)
         token = (o, self.value.tobytes())
         hit = self._spec.get((R, pending))
@@ -214,7 +208,7 @@ class Budget:
         answer at every step. Where speculation has only lost at this R (no confidence cue), the floor is
         measured and rule 2 says plain, no plain step's measurement changes the plan before the next probe
         is due: every step up to PLAIN_LAST before it is quiet (those keep the plain rate the probe is
-        judged by fresh). That bookkeeping was 1.5-2% of a plain step at batch 8-16 on a CPU."""
+        judged by fresh)."""
         if self.fixed:
             return 0
         g = self.goodput(R)
@@ -260,13 +254,11 @@ class Budget:
           to the next, and one unlucky probe used to mark a bucket below plain for hundreds of steps
           (the drafter's path probabilities, calibrated on every step, still follow the image);
         - to the rows furthest behind, because a batch takes as many steps as its slowest row, and a row
-          that runs ahead waits for it at the end of its image (tree.py `refill_wait`): traced at batch
-          8, 18 speculative steps that moved the mean row by 2.3 tokens saved the batch 12 steps.
+          that runs ahead waits for it at the end of its image (TreeEngine.refill).
 
         catch_up_ms: the drafter's catch-up in this step. A probe's run ends at once when the step is too
         slow to beat a plain step even without it: the run is there to spread the catch-up on the plain
-        stretch before it, and nothing else in a step gets cheaper with the run (at batch 8-16 on a CPU
-        the rest of a speculative step costs 2-3 plain steps)."""
+        stretch before it, and nothing else in a step gets cheaper with the run."""
         if self.fixed:
             return
         g = self.goodput(R)
