@@ -149,8 +149,8 @@ def test_a_chain_costs_a_target_forward_over_its_tokens_and_no_drafter():
     """K = 1 is the one chain length; its cost is the target's forward over 1 + 16 tokens, however dear
     the drafter (it rests), and its prior value says a chain step pays where that forward is cheap."""
     cheap, dear_drafter = chain_budget(), chain_budget(drafter=lambda R, T: 1000.0)
-    assert cheap.max == 1 and cheap._forwards(2, 32).tolist() == pytest.approx([10.01, 10.17])
-    assert dear_drafter._forwards(2, 32).tolist() == cheap._forwards(2, 32).tolist()
+    assert cheap.max == 1 and cheap.forward_ms(2, 32).tolist() == pytest.approx([10.01, 10.17])
+    assert dear_drafter.forward_ms(2, 32).tolist() == cheap.forward_ms(2, 32).tolist()
     assert cheap.model_plan(2, 1) == 1
     steep = chain_budget(target=lambda R, T: 1.0 * R * T)            # 17 tokens cost 17 plain steps
     assert steep.model_plan(2, 1) == 0

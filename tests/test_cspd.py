@@ -347,9 +347,9 @@ def standardized_tokens(b: MarBundle, n: int = 2000, **settings) -> tuple[np.nda
     cfg = dict(num_iter=4, num_draft=2, prefill_ratio=0.0, lam=1.0, trajectory_terms=False)
     with torch.inference_mode():
         mar = build_engine(b, engine_config("mar", num_iter=4))
-        mu = mar._generate(cond, Streams(seeds, "cpu")).latents
+        mu = mar.tokens(cond, seeds).latents
         e = build_engine(b, engine_config("cspd", **{**cfg, **settings}))
-        log = e._generate(cond, Streams(seeds, "cpu"))
+        log = e.tokens(cond, seeds)
         pos = torch.arange(4).expand(n, 4)
         p = mar.head(b.mar, mar.features(b.mar, mu, pos[:, :0], mar.buffer(b.mar, cond)), pos, torch.ones(n, 4),
                      Streams(seeds, "cpu"))

@@ -67,7 +67,7 @@ def test_jacobi_samples_the_vanilla_distribution(wide, variant, monkeypatch):
 
 
 # -- wrong rules the statistical test must reject -------------------------------------------------------
-TRUE = {"trial": jacobi.trial, "carry": jacobi.MCSJD.carry, "_init": jacobi.Jacobi._init}
+TRUE = {"trial": jacobi.trial, "carry": jacobi.MCSJD.carry, "next_window": jacobi.Jacobi.next_window}
 
 
 def accept_with_p(p, q, x, u, key_res):
@@ -91,7 +91,7 @@ def coupled_keeps_q_old(self, streams, p, q, tok, passed, fix, pos, step):
 
 def copies_scored_uniform(self, streams, log, carried, tok, q, step):
     """Wrong: a copy of the left neighbour scored as if it were a uniformly random token."""
-    tok, q = TRUE["_init"](self, streams, log, carried, tok, q, step)
+    tok, q = TRUE["next_window"](self, streams, log, carried, tok, q, step)
     return tok, torch.where(carried[..., None], q, 1.0 / q.shape[-1])
 
 
@@ -99,7 +99,7 @@ BROKEN = {  # rule -> (where it lives, replacement, the variant it breaks)
     "accept_with_p": (jacobi, "trial", accept_with_p, "sjd"),
     "residual_without_q": (jacobi, "trial", residual_without_q, "sjd"),
     "coupled_keeps_q_old": (jacobi.MCSJD, "carry", coupled_keeps_q_old, "mc_sjd"),
-    "copies_scored_uniform": (jacobi.Jacobi, "_init", copies_scored_uniform, "mc_sjd-repeat"),
+    "copies_scored_uniform": (jacobi.Jacobi, "next_window", copies_scored_uniform, "mc_sjd-repeat"),
 }
 
 
@@ -123,14 +123,14 @@ def test_the_test_rejects_a_wrong_rule(small, monkeypatch, rule):
 def record_windows(engine) -> list:
     """Wrap the engine's window forward: keep (n, window drafts, p) of every iteration (rows keep their
     places: prompt b in row b)."""
-    calls, forward = [], engine._forward
+    calls, forward = [], engine.window_forward
     engine.regroups = False
 
     def spy(target, log, n, tok):
         p = forward(target, log, n, tok)
         calls.append((n.clone(), tok.clone(), p.clone()))
         return p
-    engine._forward = spy
+    engine.window_forward = spy
     return calls
 
 

@@ -117,7 +117,7 @@ class Budget:
     def fixed(self) -> bool:
         return self.costs is None
 
-    def _forwards(self, R: int, pending: int) -> np.ndarray:
+    def forward_ms(self, R: int, pending: int) -> np.ndarray:
         """Forward ms of a step with K = 0..max nodes (0: the plain step's one target forward)."""
         key = (R, pending)
         if key not in self._curve:
@@ -135,13 +135,13 @@ class Budget:
         token = (o, self.value.tobytes())
         hit = self._spec.get((R, pending))
         if hit is None or hit[0] != token:
-            rates = (1 + np.cumsum(self.value)) / (self._forwards(R, pending)[1:] + o)
+            rates = (1 + np.cumsum(self.value)) / (self.forward_ms(R, pending)[1:] + o)
             hit = self._spec[(R, pending)] = (token, rates, int(np.argmax(rates)) + 1)
         return hit[1], hit[2]
 
     def model_rates(self, R: int, pending: int) -> np.ndarray:
         """The cost model's expected tokens per row per ms for K = 0..max (0: a plain step)."""
-        plain = 1.0 / (float(self._forwards(R, pending)[0]) + self.costs.overhead("plain", R))
+        plain = 1.0 / (float(self.forward_ms(R, pending)[0]) + self.costs.overhead("plain", R))
         return np.concatenate([[plain], self._spec_rates(R, pending)[0]])
 
     def model_plan(self, R: int, pending: int) -> int:
@@ -293,5 +293,5 @@ class Budget:
         beyond the forwards (an ideal implementation; catch-up of one pair)."""
         if self.fixed:
             return float("nan")
-        forwards = self._forwards(R, 1)                      # a catch-up of one pair
+        forwards = self.forward_ms(R, 1)                      # a catch-up of one pair
         return float(np.max((1 + np.cumsum(self.value)) / forwards[1:]) * forwards[0])

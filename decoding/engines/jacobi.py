@@ -141,7 +141,7 @@ class Jacobi(SlotEngine):
         full = lambda v: torch.zeros(st.slots, dtype=v.dtype, device=dev).index_copy(0, rows, v)  # noqa: E731
         log.commit(new, token_id=full(x0), accept_len=1, p_target=full(p0.gather(1, x0[:, None])[:, 0]))
         log.target_forwards += new
-        tok, q = self._init(st.streams, log, torch.zeros_like(st.tok, dtype=torch.bool), st.tok, st.q, st.it[:, None])
+        tok, q = self.next_window(st.streams, log, torch.zeros_like(st.tok, dtype=torch.bool), st.tok, st.q, st.it[:, None])
         st.tok[rows], st.q[rows] = tok[rows], q[rows]
 
     def step(self, st):
@@ -152,7 +152,7 @@ class Jacobi(SlotEngine):
         st.it = st.it + active.long()
         it, tok, q, streams = st.it[:, None], st.tok, st.q, st.streams
         with log.phase("verify"):
-            p = self._forward(st.target, log, n, tok)                           # [B, W + 1, V]
+            p = self.window_forward(st.target, log, n, tok)                           # [B, W + 1, V]
         with log.phase("accept"):
             pos = n[:, None] + lanes                                              # token position of each lane
             passed, fix = trial(p[:, :W], q, tok, streams.uniform(ACCEPT, pos[:, :W], it),
@@ -174,11 +174,11 @@ class Jacobi(SlotEngine):
             next_tok, next_q = self.carry(streams, p, q, tok, passed, fix, pos, it)   # [B, W + 1(, V)]
             src = m[:, None] + 1 + lanes[:W]                                      # old lane of next lane k
             at = src.clamp(max=W)
-            st.tok, st.q = self._init(streams, log, src <= W, next_tok.gather(1, at),
+            st.tok, st.q = self.next_window(streams, log, src <= W, next_tok.gather(1, at),
                                       next_q.gather(1, at[..., None].expand(-1, -1, V)), it)
 
     # -- one target forward over [c, drafts] ------------------------------------------------------------
-    def _forward(self, target: CachedModel, log: TokenLog, n: torch.Tensor, tok: torch.Tensor) -> torch.Tensor:
+    def window_forward(self, target: CachedModel, log: TokenLog, n: torch.Tensor, tok: torch.Tensor) -> torch.Tensor:
         """Causal forward over the last committed token and the window; returns p [B, W + 1, V]."""
         T = tok.shape[1] + 1
         lanes = torch.arange(T, device=self.device)
@@ -198,7 +198,7 @@ class Jacobi(SlotEngine):
         rejection are used)."""
         raise NotImplementedError
 
-    def _init(self, streams: Streams, log: TokenLog, carried, tok, q, step):
+    def next_window(self, streams: Streams, log: TokenLog, carried, tok, q, step):
         """The next window [B, W] (and its q [B, W, V]): lanes `carried` keep (tok, q); the others (a
         suffix) are new positions, initialised by `cfg.init` and scored by `cfg.init_q`."""
         B, W = carried.shape
