@@ -58,3 +58,13 @@ def test_a_run_leaves_no_hydra_folder_in_the_working_tree(tmp_path):
     after = set((REPO / "outputs").rglob("*")) if (REPO / "outputs").exists() else set()
     assert after == before
     assert list(Path(os.environ["ARSPEC_HYDRA_DIR"]).rglob("generate.log"))
+
+
+def test_help_explains_and_quotes_no_measurement():
+    """Help says what each option is and which to pick; figures (speedups, rates, shares) belong to the
+    measurements, which change with the host: none in the page built from the conf comments."""
+    import re
+    from workflows.help import generate_help
+    text = generate_help()
+    figures = re.findall(r"\d+(?:\.\d+)?\s*(?:x|×)(?![a-z0-9])|\d+(?:\.\d+)?\s*%|\bimg/s\b|images/s|\bran \d", text)
+    assert not figures, figures
