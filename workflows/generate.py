@@ -183,6 +183,10 @@ def validate(c: GenerateConfig) -> None:
 # Ray's single-machine mode (read when ray is imported, by this process and every Ray process it
 # starts): a private local Ray binds GCS, raylet, agents and workers to 127.0.0.1 only.
 LOOPBACK_ENV = ("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+# Token authentication for that private Ray, chosen explicitly: a new local Ray turns it on by itself
+# and then warns on every start that it did ("Token authentication is enabled for this Ray cluster. Set
+# RAY_AUTH_MODE=disabled to opt out"). Read once, when ray is imported; a RAY_AUTH_MODE already set is kept.
+LOCAL_AUTH_ENV = ("RAY_AUTH_MODE", "token")
 
 
 def start_ray(cl, stop) -> str | None:
@@ -362,6 +366,7 @@ def run(cfg: DictConfig) -> dict:
     validate(c)
     if c.cluster.address is None and "ray" not in sys.modules:    # before ray is imported (start_ray)
         os.environ[LOOPBACK_ENV[0]] = LOOPBACK_ENV[1]
+        os.environ.setdefault(*LOCAL_AUTH_ENV)
     out_dir = out_dir_of(c)
     claim_out_dir(out_dir)
     stop = Stop(c.cluster.grace_s)
