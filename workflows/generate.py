@@ -329,6 +329,24 @@ def summarize(t: Tally, c: GenerateConfig, total: int, already: int, seconds: fl
             "out_dir": c.out_dir}
 
 
+def no_prompts(c: GenerateConfig) -> ConfigError:
+    """The one line for a prompt set with nothing to generate: an empty file (no rows, blank lines only, a
+    header only), or data.limit=0."""
+    if c.data.limit == 0:
+        return ConfigError("data.limit=0: nothing to generate; give data.limit >= 1, or null for every prompt")
+    where = f"data.path={c.data.path}" if c.data.path else f"data={c.data.name}"
+    return ConfigError(f"{where}: holds no prompts (data.limit={c.data.limit}): nothing to generate; give a "
+                       f"prompt set with rows in it")
+
+
+def check_prompts(c: GenerateConfig) -> None:
+    """The prompt file opens, its columns are there, and it holds a prompt (its first chunk read), before
+    out_dir is touched: a resume reads the same prompts, so an empty set is never a finished job's."""
+    from workflows.prompts import PromptSource
+    if next(iter(PromptSource(c.data).chunks()), None) is None:
+        raise no_prompts(c)
+
+
 def plan_job(c: GenerateConfig, verify: str = "quick"):
     """The streamed plan of the job and its checking pass (no Ray): what `run` does before Ray starts,
     and what workflows.bench_plan measures. Damaged parts are quarantined first (actors/output.recover)."""
@@ -353,9 +371,7 @@ def plan_job(c: GenerateConfig, verify: str = "quick"):
     except ValueError as e:     # a prompt the model cannot take (text for a class-conditional model)
         raise ConfigError(f"data: {e}") from None
     if not plan.stats.prompts:
-        where = f"data.path={c.data.path}" if c.data.path else f"data={c.data.name}"
-        raise ConfigError(f"{where}: holds no prompts (data.limit={c.data.limit}): nothing to generate; give a "
-                          f"prompt set with rows in it")
+        raise no_prompts(c)
     check_out_dir(out_dir, fp)   # a new out_dir gets its job.json only once its prompts passed the check
     return plan
 
@@ -364,6 +380,7 @@ def run(cfg: DictConfig) -> dict:
     from workflows.lock import Stop, on_sigterm, out_dir_lock
     c: GenerateConfig = to_object(cfg)
     validate(c)
+    check_prompts(c)
     if c.cluster.address is None and "ray" not in sys.modules:    # before ray is imported (start_ray)
         os.environ[LOOPBACK_ENV[0]] = LOOPBACK_ENV[1]
         os.environ.setdefault(*LOCAL_AUTH_ENV)
