@@ -89,8 +89,20 @@ def gpt_args(cfg: LlamaGenConfig) -> GPTArgs:
                           num_classes=getattr(cfg, "num_classes", 1000), caption_dim=getattr(cfg, "caption_dim", 2048),
                           cls_token_num=cfg.cls_token_num if t2i else 1)
     if a.dim % a.n_head or a.head_dim % 4:
+        if cfg.n_head is None:      # the preset's head count: name the setting that was given, and the one to add
+            raise _bad("dim", a.dim, f"{cfg.gpt_model}'s {a.n_head} heads (model.n_head is not set) do not split it "
+                       f"into whole heads of a size divisible by 4 (2D RoPE): set model.n_head too"
+                       + (f", e.g. model.n_head={guess_heads(a.dim)} ({a.dim // guess_heads(a.dim)}-wide heads)"
+                          if guess_heads(a.dim) else ""))
         raise _bad("n_head", a.n_head, f"dim {a.dim} / n_head must be a whole head size divisible by 4 (2D RoPE)")
     return a
+
+
+def guess_heads(dim: int) -> Optional[int]:
+    """A head count for `dim` when nothing records one: LlamaGen's 64-wide heads (GPT-B to XXL), else the
+    widest head under 64 that divides dim and is divisible by 4 (2D RoPE); None when none is."""
+    width = next((w for w in range(64, 3, -4) if dim % w == 0), None)
+    return None if width is None else dim // width
 
 
 def drafter_args(target: GPTArgs, n_layer: int = 1, **overrides) -> DrafterArgs:
