@@ -3,8 +3,9 @@
 Defaults are LlamaGen's sampling scripts' (autoregressive/sample/sample_c2i.py, sample_t2i.py): c2i GPT-B
 at 384 px, t2i GPT-XL at 512 px with 120 FLAN-T5 tokens, VQ-16 with a 16384 x 8 codebook. A preset names
 the GPT's depth and width; `dim`, `n_layer`, `n_head` override it (explicit dims), and the VQ's widths can
-be given the same way. Nothing about the image size is stored in a GPT checkpoint (the RoPE table is
-rebuilt), so `image_size` must match the checkpoint's (LlamaGen names it in the file: c2i_L_384.pt).
+be given the same way. A GPT's weights do not depend on the image size (the RoPE table is rebuilt), so
+`image_size` must match the checkpoint's: the loader refuses another size where the file records one (a
+RoPE table, saved training args, LlamaGen's file name: c2i_L_384.pt) and says the size it assumes where not.
 """
 from __future__ import annotations
 
