@@ -341,7 +341,7 @@ def no_prompts(c: GenerateConfig) -> ConfigError:
 
 def check_prompts(c: GenerateConfig) -> None:
     """The prompt file opens, its columns are there, and it holds a prompt (its first chunk read), before
-    out_dir is touched: a resume reads the same prompts, so an empty set is never a finished job's."""
+    anything is written to out_dir: a resume reads the same prompts, so an empty set is never a finished job's."""
     from workflows.prompts import PromptSource
     if next(iter(PromptSource(c.data).chunks()), None) is None:
         raise no_prompts(c)
@@ -380,12 +380,12 @@ def run(cfg: DictConfig) -> dict:
     from workflows.lock import Stop, on_sigterm, out_dir_lock
     c: GenerateConfig = to_object(cfg)
     validate(c)
-    check_prompts(c)
     if c.cluster.address is None and "ray" not in sys.modules:    # before ray is imported (start_ray)
         os.environ[LOOPBACK_ENV[0]] = LOOPBACK_ENV[1]
         os.environ.setdefault(*LOCAL_AUTH_ENV)
     out_dir = out_dir_of(c)
-    claim_out_dir(out_dir)
+    claim_out_dir(out_dir)      # (on a store: its bucket and credentials, before the prompts are read from it)
+    check_prompts(c)            # before the lock creates out_dir
     stop = Stop(c.cluster.grace_s)
     with on_sigterm(stop), out_dir_lock(out_dir, c.cluster.lock_timeout_s, stop) as lock:   # workflows/lock.py
         return _generate(c, out_dir, stop, lock.me["token"])
