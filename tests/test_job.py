@@ -172,10 +172,11 @@ def _cli(*args, timeout=300):
                           timeout=timeout, cwd=REPO, env={**os.environ, "HYDRA_FULL_ERROR": "0"})
 
 
-def test_a_first_run_on_a_private_ray_prints_no_ray_token_warning(tiny_weights, tmp_path):
+def test_a_first_run_on_a_private_ray_is_quiet_and_writes_no_empty_errors_file(tiny_weights, tmp_path):
     """The job's own local Ray (cluster.address=null, RAY_AUTH_MODE unset, as on a fresh machine): Ray's
     "Token authentication is enabled for this Ray cluster" warning, printed on every start while the mode
-    was left to Ray, is not there."""
+    was left to Ray, is not there; no prompt failed, so no errors file (there was an empty one per part),
+    and the readers and verify take the out_dir as it is."""
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_AUTH_MODE", "RAY_ADDRESS")}
     out = tmp_path / "run"
     r = subprocess.run([sys.executable, "-m", "workflows.generate", *base(tiny_weights, out, "data.limit=2"),
@@ -186,6 +187,10 @@ def test_a_first_run_on_a_private_ray_prints_no_ray_token_warning(tiny_weights, 
     assert "Started a local Ray instance" in r.stderr
     assert "Token authentication" not in r.stderr, r.stderr[-3000:]
     assert json.loads((out / "summary.json").read_text())["images"] == 2
+    assert not list(out.rglob("errors/*.parquet")) and len(pd.read_parquet(out / "errors")) == 0
+    assert len(pd.read_parquet(out / "images")) == 2
+    from workflows.verify import main as verify
+    assert verify([f"out_dir={out}", "verify=full"]) == 0
 
 
 def test_killed_driver_resumes_with_no_duplicates_and_identical_bytes(ray_cluster, tiny_weights, tmp_path):
