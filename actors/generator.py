@@ -18,7 +18,7 @@ from actors.store import at
 from actors.output import ERROR_SCHEMA, IMAGE_SCHEMA, png_bytes, token_table, write_part
 from decoding.engines import build_engine
 from decoding.engines.requests import Outcome, Request, RequestQueue
-from decoding.registry import load_bundle
+from decoding.registry import NOTES, load_bundle
 
 log = logging.getLogger("arspec.actor")
 
@@ -90,7 +90,12 @@ class Generator:
         self.token = token                  # the job's lock: no part is written once it is another job's
         torch.set_num_threads(c.torch_threads or max(1, int(c.num_cpus_per_actor)))
         self.cfg, self.out_dir = cfg, at(out_dir)
-        self.bundle = load_bundle(cfg.model)
+        level = NOTES.level
+        NOTES.setLevel(logging.ERROR)       # what loading assumes, the driver's check said once for the job
+        try:
+            self.bundle = load_bundle(cfg.model)
+        finally:
+            NOTES.setLevel(level)
         self.engine = build_engine(self.bundle, cfg.engine)
         self.slots = min(c.batch_size, prompts or c.batch_size)     # never more rows than prompts to decode
         check_fits(self.bundle, self.slots, self.free_memory())

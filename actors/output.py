@@ -3,7 +3,7 @@ written, verified and resumed.
 
 out_dir/images/part-X.parquet   one row per image (PNG bytes, HF `Image` feature in the schema metadata)
 out_dir/tokens/part-X.parquet   one row per generated token (the acceptance log)
-out_dir/errors/part-X.parquet   one row per prompt that failed, with the reason
+out_dir/errors/part-X.parquet   one row per prompt that failed, with the reason (only for a part that has one)
 out_dir/manifest.jsonl          one line per committed part: its prompt ids, counts, and each file's
                                 size, row count and sha256
 out_dir/job.json                the settings that decide the images; a rerun must match them
@@ -11,10 +11,13 @@ out_dir/quarantine/             damaged parts found on start, moved aside (their
 
 Commit protocol (docs/design.md, "Commit protocol"): every file is written under a temporary name,
 fsynced and renamed; a part's tokens, then errors, then images file, and the images file is its
-commit mark. On start, `recover` removes what a crash can leave (temporary files; tokens or errors
-files without an images file), checks every committed part against its manifest line (sizes and
-Parquet footers; `verify=full` also the checksums), and quarantines damaged ones, so that each prompt
-ends up in exactly one sound committed part. `FAULT` is the fault-injection hook the tests use to stop
+commit mark. A part with no failed prompt has no errors file: its errors step removes one an earlier
+attempt at the same part may have left, and its manifest line lists no errors file (a part checked from
+its files alone is whole when its images rows and errors rows are the prompts its name spans). On start,
+`recover` removes what a crash can leave (temporary files; tokens or errors files without an images
+file), checks every committed part against its manifest line (sizes and Parquet footers; `verify=full`
+also the checksums), and quarantines damaged ones, so that each prompt ends up in exactly one sound
+committed part. `FAULT` is the fault-injection hook the tests use to stop
 a writer at each of these boundaries.
 
 out_dir may be a prefix on an object store (actors/store.py; docs/design.md, "Commit protocol on an object
@@ -258,15 +261,39 @@ def file_info(data, rows: int) -> dict:
     return {"bytes": len(memoryview(data)), "rows": rows, "sha256": hashlib.sha256(data).hexdigest()}
 
 
+def remove_atomic(path: Where, label: str) -> None:
+    """Remove `path` if it is there, durably (the directory fsynced) before what follows is written; on
+    a disk its directory is left in place, so a reader of the table finds it (empty) rather than nothing."""
+    _boundary(f"before:{label}")
+    with storage(path):
+        if isinstance(path, ObjPath):
+            path.unlink(missing_ok=True)
+        else:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                path.unlink()
+            except FileNotFoundError:
+                pass
+            else:
+                _fsync_dir(path.parent)
+    _boundary(f"after:{label}")
+
+
 def write_part(out_dir: Where, part: str, images: pa.Table, tokens: pa.Table, errors: pa.Table,
                token: Optional[str] = None) -> dict:
     """Tokens, then errors, then images: the images file commits the part; each only while the job
-    holds the lock `token` (check_lock). Returns each file's file_info for the manifest."""
+    holds the lock `token` (check_lock). No errors file when no prompt failed: that step removes one an
+    earlier attempt at this part left (its prompts now have images). Returns each written file's
+    file_info for the manifest."""
     tables, files = {"images": images, "tokens": tokens, "errors": errors}, {}
     for table in WRITE_ORDER:
-        data = parquet_bytes(tables[table])
+        path = out_dir / table / f"{part}.parquet"
         check_lock(out_dir, token)
-        write_bytes_atomic(data, out_dir / table / f"{part}.parquet", table)
+        if table == "errors" and not errors.num_rows:
+            remove_atomic(path, table)
+            continue
+        data = parquet_bytes(tables[table])
+        write_bytes_atomic(data, path, table)
         files[table] = file_info(data, tables[table].num_rows)
     return files
 
@@ -392,24 +419,37 @@ def read_checked(source, columns=None) -> pa.Table:
 def check_part(out_dir: Where, part: str, entry: Optional[dict], full: bool) -> tuple[Optional[str], Optional[dict]]:
     """(reason the part is damaged or None, its manifest entry, rebuilt from its files if it had none).
     A part without a sound entry is trusted only as far as its files can be checked alone: page
-    checksums, and every PNG decoded."""
+    checksums, every PNG decoded, and one row per prompt its name spans (images and errors rows: so an
+    errors file that is missing is told from one never written)."""
     out_dir = at(out_dir)
     recorded = (entry or {}).get("files") or {}
     files = {}
     for table in WRITE_ORDER:
-        reason, info = _check_file(out_dir / table / f"{part}.parquet", recorded.get(table), full)
+        path = out_dir / table / f"{part}.parquet"
+        if table == "errors" and "errors" not in recorded:     # none written (no failed prompt), or unknown
+            if recorded and path.exists():
+                return f"errors/{part}.parquet: the manifest recorded no errors file for this part", None
+            if not path.exists():
+                continue
+        reason, info = _check_file(path, recorded.get(table), full)
         if reason:
             return f"{table}/{part}.parquet: {reason}", None
         files[table] = info
-    if recorded and len(entry.get("prompt_ids") or []) == files["images"]["rows"] + files["errors"]["rows"]:
+    rows = files["images"]["rows"] + files.get("errors", {"rows": 0})["rows"]
+    if recorded and len(entry.get("prompt_ids") or []) == rows:
         return None, entry
+    span = part_span(part)
+    if span is not None and span[1] - span[0] != rows:
+        missing = "" if "errors" in files else " (and no errors file)"
+        return (f"holds rows for {rows} prompts{missing}, its name spans {span[1] - span[0]}: a file of it is "
+                f"missing or from another attempt"), None
     images = read_checked(source(out_dir / "images" / f"{part}.parquet"), columns=["prompt_id", "image"])
     for pid, image in zip(images.column("prompt_id").to_pylist(), images.column("image").to_pylist()):
         try:
             Image.open(io.BytesIO(image["bytes"])).load()
         except Exception as e:
             return f"images/{part}.parquet: the PNG of {pid!r} does not decode ({str(e).splitlines()[0][:80]})", None
-    ids = [images.column("prompt_id").to_pylist(),
+    ids = [images.column("prompt_id").to_pylist(), [] if "errors" not in files else
            read_checked(source(out_dir / "errors" / f"{part}.parquet"), columns=["prompt_id"]).column(0).to_pylist()]
     return None, {**manifest_entry(part, ids[0] + ids[1], len(ids[0]), len(ids[1]), files), "time": None}
 

@@ -9,6 +9,7 @@ name, so the core imports none of them (docs/design.md, "Layers").
 from __future__ import annotations
 
 import importlib
+import logging
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -16,6 +17,12 @@ import torch
 
 from decoding.bundle import ModelBundle
 from decoding.sampling import SamplingParams
+
+
+# What a loader assumes and says (e.g. an image size its checkpoint does not record). The job's driver
+# says it in its check (inspect_model); its actors, loading the same files again, keep it to themselves
+# (actors/generator.py), so a job says it once.
+NOTES = logging.getLogger("arspec.model")
 
 
 @dataclass

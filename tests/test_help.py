@@ -58,3 +58,42 @@ def test_a_run_leaves_no_hydra_folder_in_the_working_tree(tmp_path):
     after = set((REPO / "outputs").rglob("*")) if (REPO / "outputs").exists() else set()
     assert after == before
     assert list(Path(os.environ["ARSPEC_HYDRA_DIR"]).rglob("generate.log"))
+
+
+def test_help_explains_and_quotes_no_measurement():
+    """Help says what each option is and which to pick; figures (speedups, rates, shares) belong to the
+    measurements, which change with the host: none in the page built from the conf comments."""
+    import re
+    from workflows.help import generate_help
+    text = generate_help()
+    figures = re.findall(r"\d+(?:\.\d+)?\s*(?:x|×)(?![a-z0-9])|\d+(?:\.\d+)?\s*%|\bimg/s\b|images/s|\bran \d", text)
+    assert not figures, figures
+
+
+def test_the_cpu_bench_hint_says_what_it_does_as_it_goes(caplog):
+    """The CPU-sized bench_gpu run (its docstring's and the README's hint, here with one batch size) logs a
+    line per engine and batch, the shapes reference included, before the final table (a user saw nothing
+    for minutes); on a CPU the LlamaGen-sized default models are warned of, with the CPU-sized command."""
+    import logging
+
+    import torch
+    from hydra import compose, initialize_config_dir
+    from workflows import bench_gpu
+    caplog.set_level(logging.INFO, logger="arspec.bench_gpu")
+    hint = bench_gpu.CPU_RUN.split()[3:]
+    assert hint == ["models=[small]", "images=2", "shapes_prompts=2", "reps=3"]
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        cfg = compose("bench_gpu", overrides=[*hint, "shapes_prompts=1", "batch_sizes=[1]", "device=cpu"])
+    report = bench_gpu.run(cfg)
+    lines = [r.getMessage() for r in caplog.records if r.name == "arspec.bench_gpu"]
+    engines = list(cfg.engines)
+    for label, batches in (("shapes model: ", 1), ("small, batch size 1: ", 2)):
+        for n in engines:
+            said = [x for x in lines if x.startswith(f"[bench_gpu] {label}batch ") and f" {n}: " in x]
+            assert len(said) == batches, (label, n, lines)
+    assert set(report["results"]["small"][1]["measured"]) == set(engines)
+    assert not any("on a CPU" in x for x in lines)
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        default = compose("bench_gpu")
+    assert bench_gpu.too_big(default, torch.device("cpu")) == ["GPT-L", "GPT-XL"]    # warned of, with CPU_RUN
+    assert bench_gpu.too_big(cfg, torch.device("cpu")) == []

@@ -195,6 +195,27 @@ def _cli(*args, timeout=300):
                           timeout=timeout, cwd=REPO, env={**os.environ, "HYDRA_FULL_ERROR": "0"})
 
 
+def test_a_first_run_on_a_private_ray_is_quiet_and_writes_no_empty_errors_file(tiny_weights, tmp_path):
+    """The job's own local Ray (cluster.address=null, RAY_AUTH_MODE unset, as on a fresh machine): Ray's
+    "Token authentication is enabled for this Ray cluster" warning, printed on every start while the mode
+    was left to Ray, is not there; no prompt failed, so no errors file (there was an empty one per part),
+    and the readers and verify take the out_dir as it is."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_AUTH_MODE", "RAY_ADDRESS")}
+    out = tmp_path / "run"
+    r = subprocess.run([sys.executable, "-m", "workflows.generate", *base(tiny_weights, out, "data.limit=2"),
+                        "engine=vanilla", "cluster.num_actors=1", f"hydra.run.dir={tmp_path / 'h'}"],
+                       capture_output=True, text=True, timeout=300, cwd=REPO,
+                       env={**env, "HYDRA_FULL_ERROR": "0", "RAY_USAGE_STATS_ENABLED": "0"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "Started a local Ray instance" in r.stderr
+    assert "Token authentication" not in r.stderr, r.stderr[-3000:]
+    assert json.loads((out / "summary.json").read_text())["images"] == 2
+    assert not list(out.rglob("errors/*.parquet")) and len(pd.read_parquet(out / "errors")) == 0
+    assert len(pd.read_parquet(out / "images")) == 2
+    from workflows.verify import main as verify
+    assert verify([f"out_dir={out}", "verify=full"]) == 0
+
+
 def test_killed_driver_resumes_with_no_duplicates_and_identical_bytes(ray_cluster, tiny_weights, tmp_path):
     args = [f"model.weights_dir={tiny_weights}", *TINY, "data.limit=30", "cluster.batch_size=2",
             f"cluster.address={ray_cluster.address}", "engine=adt_tree"]

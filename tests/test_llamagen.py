@@ -209,6 +209,70 @@ def test_corrupted_wrong_family_and_wrong_shape_checkpoints_fail_in_one_line(c2i
         load_bundle(replace(cfg, gpt_ckpt=str(tmp_path / "nope.pt")))
 
 
+def _hint(e) -> dict:
+    """The settings a load error's hint says to set, as C2IConfig fields ("set model.dim=96 ...; see ...")."""
+    import re
+    said = one_line(e).split(": set ", 1)[1].split("; see ")[0]
+    return {k: int(v) for k, v in re.findall(r"model\.(\w+)=(\d+)", said)}
+
+
+def test_the_gpt_dims_hint_names_every_setting_it_needs_and_applying_it_loads(c2i_files, tmp_path):
+    """A GPT of no preset's dims: the hint names dim, n_layer and n_head (the old one left n_head out, and the
+    preset's head count then failed in a line blaming model.n_head, which the user never set). The head count
+    comes from the checkpoint where it records one (a RoPE table), else is a guess said to be one; either way
+    the settings the hint names load the file."""
+    cfg = c2i_cfg(c2i_files)
+    sd = gpt_weights(small_c2i(n_layer=3, dim=96, n_head=4))
+    plain = save(sd, tmp_path / "plain.pt", "raw")
+    rope = save({**sd, "freqs_cis": torch.zeros(1 + 16, 12, 2)}, tmp_path / "rope.pt", "raw")  # 24-wide heads
+    for path, heads in ((plain, 2), (rope, 4)):
+        with pytest.raises(ValueError, match=r"does not fit: .*set model.dim=96 model.n_layer=3 model.n_head=") as e:
+            load_bundle(replace(cfg, gpt_ckpt=str(path)))
+        fix = _hint(e)
+        assert fix == {"dim": 96, "n_layer": 3, "n_head": heads}
+        assert ("assumed" in one_line(e)) == (path == plain)
+        assert load_bundle(replace(cfg, gpt_ckpt=str(path), **fix)).gpt.args.n_head == heads
+    # the dims alone, with the preset's head count: the line names the setting given and the one to add
+    with pytest.raises(ValueError, match=r"^model.dim=100: GPT-B's 12 heads \(model.n_head is not set\) do not split it "
+                                         r".*set model.n_head too, e.g. model.n_head=5 \(20-wide heads\)$") as e:
+        load_bundle(replace(cfg, gpt_ckpt=str(plain), dim=100, n_layer=3, n_head=None))
+    one_line(e)
+
+
+def test_an_image_size_the_checkpoint_records_is_enforced_and_one_it_does_not_is_said_once(c2i_files, tmp_path, caplog):
+    """LlamaGen's GPT weights do not depend on the image size, so a wrong model.image_size loaded silently and
+    decoded another grid. Where the checkpoint records it (a RoPE table's rows, saved training args, a LlamaGen
+    file name) another size is one line naming model.image_size; where nothing does, a warning says once
+    which size is assumed."""
+    import logging
+    from argparse import Namespace
+    from decoding.checkpoint import Checkpoint
+    from decoding.llamagen.config import gpt_args
+    cfg = c2i_cfg(c2i_files)                                   # 64 px: 4x4 tokens of VQ-16
+    sd = c2i_files[1]["weights"]
+    rope = save({**sd, "freqs_cis": torch.zeros(1 + 64, 8, 2)}, tmp_path / "rope.pt", "raw")      # an 8x8 grid
+    named = save(sd, tmp_path / "c2i_S_128.pt", "raw")
+    for path, how in ((rope, "its RoPE table"), (named, "its file name")):
+        with pytest.raises(ValueError, match=rf"^model.image_size=64: model.gpt_ckpt={path} was trained at 128 px "
+                                             rf"\({how}\): set model.image_size=128$") as e:
+            load_bundle(replace(cfg, gpt_ckpt=str(path)))
+        assert load_bundle(replace(cfg, gpt_ckpt=str(path), **_hint(e))).gpt.args.grid_size == 8
+    caplog.set_level(logging.WARNING, logger="arspec.model")
+    quiet = save(sd, tmp_path / "mine.pt", "raw")
+    for _ in range(2):
+        load_bundle(replace(cfg, gpt_ckpt=str(quiet)))
+    said = [r.getMessage() for r in caplog.records if r.name == "arspec.model"]
+    assert said == [f"model.image_size=64 assumed: model.gpt_ckpt={quiet} does not record the size it was trained "
+                    f"at (no RoPE table or saved args, no size in its name as in c2i_L_384.pt); set model.image_size "
+                    f"if it is another"]
+    from decoding.llamagen.load import recorded
+    with torch.device("meta"):                                 # saved training args, where they are this GPT's
+        big = GPT(GPTArgs.from_name("GPT-B", block_size=256)).state_dict()
+    ck = Checkpoint(big, "model", ["args", "model"], "torch", {"args": Namespace(gpt_model="GPT-B", image_size=256)})
+    rec = recorded(ck, describe(big), gpt_args(small_c2i()), "ckpt.pt")
+    assert rec["size"] == (256, "its saved args") and rec["heads"][0] == 12
+
+
 def test_drafter_for_another_target_or_wrong_embeddings_is_refused(c2i_files, tmp_path):
     other = save_module(_drafter(small_c2i(image_size=128), 2), tmp_path / "d128.safetensors", dtype=torch.float32)
     with pytest.raises(ValueError, match=r"was trained for another target \(block_size 64 \(target: 16\)\).*"
@@ -302,7 +366,9 @@ def test_inspect_checkpoint_says_what_a_file_is(c2i_files, tmp_path, capsys):
     assert "weights under 'model'" in out and "LlamaGen GPT, class-conditional" in out and "10 classes" in out
     assert "saved training args: {'gpt_model': 'GPT-B', 'image_size': 256" in out
     assert "derived buffers ignored: ['quantize.codebook_used']" in out and "preset: VQ-16" in out
-    assert f"load it with: model=llamagen_c2i model.gpt_ckpt={c2i_files[1]['gpt']} model.dim=64 model.n_layer=2" in out
+    assert f"load it with: model=llamagen_c2i model.gpt_ckpt={c2i_files[1]['gpt']} model.dim=64 model.n_layer=2 " \
+           f"model.n_head=1 model.image_size=<the size" in out          # its saved args are another GPT's: not its size
+    assert "heads not recorded: LlamaGen's are 64 wide" in out and "image size: not recorded" in out
     assert "EAGLE drafter" in out and f"model.drafter_ckpt={c2i_files[1]['drafter']}" in out
     (tmp_path / "junk.pt").write_bytes(b"junk")
     assert main([str(tmp_path / "junk.pt")]) == 2

@@ -124,3 +124,28 @@ def test_parti_and_coco_samples_ship_with_the_package_and_a_full_path_still_work
     rows = read_prompts(data)
     assert len(rows) == 64 and rows[0]["prompt"].startswith(first)
     assert [r["prompt"] for r in read_prompts(mine)] == ["x", "y"]
+
+
+@pytest.mark.parametrize("name, text, overrides, message", [
+    ("blank.jsonl", "\n\n   \n", [], "holds no prompts (data.limit=None)"),
+    ("header.csv", "id,prompt\n", [], "holds no prompts (data.limit=None)"),
+    ("header.tsv", "id\tPrompt\n", [], "holds no prompts (data.limit=None)"),
+    ("empty.json", "[]", [], "holds no prompts (data.limit=None)"),
+    ("p.csv", "prompt\na red circle\n", ["data.limit=0"], "data.limit=0: nothing to generate"),
+])
+def test_a_prompt_set_with_nothing_to_generate_is_one_line_before_out_dir_is_touched(tmp_path, name, text, overrides,
+                                                                                    message):
+    """Blank lines only, a header only, an empty list, or data.limit=0: the job stops with one line naming
+    data.path (or data.limit) before Ray starts and before out_dir is created."""
+    from hydra import compose, initialize_config_dir
+    from tests.conftest import REPO
+    from workflows.generate import run
+    data, out = _text(tmp_path / name, text), tmp_path / "run"
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        cfg = compose("generate", overrides=["data=file", f"data.path={data}", f"out_dir={out}", *overrides])
+    with pytest.raises(ConfigError) as e:
+        run(cfg)
+    line = str(e.value)
+    assert "\n" not in line and message in line, line
+    assert line.startswith("data.limit=0" if overrides else f"data.path={data}: "), line
+    assert not out.exists()

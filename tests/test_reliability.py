@@ -103,12 +103,15 @@ def pending_items(c) -> list[dict]:
     return [{**it, "position": i, "seed": prompt_seed(c.seed, it["prompt_id"])} for i, it in enumerate(read_prompts(c.data))]
 
 
-PART_POINTS = [f"{when}:{table}" for table in output.WRITE_ORDER for when in ("before", "mid", "after")]
+# A part with no failed prompt writes no errors file: its errors step is the removal of one an earlier
+# attempt left (before and after it; nothing to tear midway).
+PART_POINTS = [f"{when}:{table}" for table in output.WRITE_ORDER for when in ("before", "mid", "after")
+               if (when, table) != ("mid", "errors")]
 
 
 def crash_at_each_point(gen, out, items: list[dict], n: int, fault) -> None:
     """Parts of 2 prompts written by the actor's code in this process: two whole ones, then one crash at
-    each write point of a part (PART_POINTS) and at the manifest line (after it, and midway)."""
+    each write point of a part (PART_POINTS) and at the manifest line (after it, and midway): 24 prompts."""
     plan = ["ok", "ok", *PART_POINTS, "after:manifest-line", "mid:manifest-line"]
     for point, batch in zip(plan, [items[i:i + 2] for i in range(0, n, 2)]):
         fault(point if point in PART_POINTS else None)
@@ -495,7 +498,7 @@ def test_committed_parts_without_job_json_are_refused(reference, tiny_weights, t
     out = tmp_path / "run"
     shutil.copytree(reference[0], out)
     (out / "job.json").unlink()
-    with pytest.raises(ConfigError, match=rf"out_dir={out} holds a job's files \(errors/part-.*\) but its job.json "
+    with pytest.raises(ConfigError, match=rf"out_dir={out} holds a job's files \(images/part-.*\) but its job.json "
                                           rf"is missing: it recorded the settings they were made with"):
         job(*args(tiny_weights, out, N, "seed=7"))
     assert not (out / "job.json").exists() and not (out / "job.lock").exists()
@@ -556,7 +559,7 @@ def test_a_lost_manifest_does_not_make_damage_the_recorded_truth(reference, tiny
     caplog.set_level(logging.WARNING, logger="arspec.job")
     s = job(*args(tiny_weights, out, N, "cluster.batch_size=4", "verify=full"))
     assert s["images"] == 8 and f"{len(parts) - 2} committed part(s) had no manifest line" in caplog.text
-    assert quarantined(out) == sorted(f"quarantine/{t}/{p}.parquet" for p in parts[:2] for t in output.TABLES)
+    assert quarantined(out) == sorted(f"quarantine/{t}/{p}.parquet" for p in parts[:2] for t in ("images", "tokens"))
     assert_exact(out, reference, N)
     assert verify_main([f"out_dir={out}", "verify=full"]) == 0
 
@@ -729,7 +732,7 @@ def test_a_job_whose_lock_was_taken_over_commits_nothing_more(reference, tiny_we
             _record(out, res, lock.me["token"])
     finally:
         lock.release()
-    assert sorted(f.stem for t in output.TABLES for f in (out / t).glob("*.parquet")) == [res.part] * 3
+    assert sorted(f.stem for t in output.TABLES for f in (out / t).glob("*.parquet")) == [res.part] * 2   # no errors file
     assert len((out / "manifest.jsonl").read_text().splitlines()) == 1
     assert output.LockLost.code == 143
 
@@ -769,3 +772,55 @@ def test_a_prompt_file_with_no_prompts_is_refused_in_one_line(tiny_weights, tmp_
     assert lines[0] == f"error: data.path={data}: holds no prompts (data.limit=None): nothing to generate; give a " \
                        f"prompt set with rows in it"
     assert not (tmp_path / "run" / "job.json").exists()
+
+
+def _part(out: Path, start: int, images: list[str], errors: list[str]) -> tuple[str, dict]:
+    """A part of `images` + `errors` prompts at positions start.., written by output.write_part as an actor
+    writes it (tiny PNGs, no token rows) -> (its name, its files' info)."""
+    import numpy as np
+    ids = images + errors
+    part = part_name([{"position": start + i, "prompt_id": p} for i, p in enumerate(ids)])
+    png = output.png_bytes(np.zeros((4, 4, 3), np.uint8))
+    rows = [{"prompt_id": p, "prompt": p, "seed": 0, "engine": "vanilla", "model": "shapes",
+             "image": {"bytes": png, "path": None}, "width": 4, "height": 4, "part": part} for p in images]
+    failed = [{"prompt_id": p, "prompt": p, "seed": 0, "engine": "vanilla", "error": "boom", "part": part}
+              for p in errors]
+    files = output.write_part(out, part, pa.Table.from_pylist(rows, schema=output.IMAGE_SCHEMA),
+                              output.TOKEN_SCHEMA.empty_table(), pa.Table.from_pylist(failed, schema=output.ERROR_SCHEMA))
+    output.append_manifest(out, output.manifest_entry(part, ids, len(images), len(errors), files))
+    return part, files
+
+
+def test_only_a_part_with_failed_prompts_has_an_errors_file_and_every_part_stays_verifiable(tmp_path):
+    """No errors file for a part whose prompts all made images (the old code wrote an empty one per part):
+    one an earlier attempt left is removed before the images file commits; the manifest lists none; verify
+    (with and without manifest lines: images + errors rows must be the prompts the part's name spans) finds
+    every part sound; pandas and pyarrow read an errors/ with no file as an empty table. A part's errors file
+    lost, or one beside a part recorded without, is damage."""
+    import pandas as pd
+    from workflows.verify import main as verify
+    out = tmp_path / "run"
+    (out / "errors").mkdir(parents=True)
+    stale = output.ERROR_SCHEMA.empty_table()        # an earlier attempt at part 0's prompts failed one of them
+    ok = part_name([{"position": 0, "prompt_id": "a"}, {"position": 1, "prompt_id": "b"}])
+    pq.write_table(pa.Table.from_pylist([{"prompt_id": "a", "error": "oom"}], schema=stale.schema),
+                   out / "errors" / f"{ok}.parquet")
+    assert _part(out, 0, ["a", "b"], [])[0] == ok
+    assert list((out / "errors").iterdir()) == [] and len(pd.read_parquet(out / "errors")) == 0
+    assert pq.read_table(out / "errors").num_rows == 0
+    bad, files = _part(out, 2, ["c"], ["d"])
+    assert set(files) == {"images", "tokens", "errors"}
+    (out / "job.json").write_text("{}")
+    assert output.inspect(out, "full") == ({ok: 2, bad: 2}, {})
+    assert verify([f"out_dir={out}"]) == 0
+    assert pd.read_parquet(out / "errors").prompt_id.tolist() == ["d"]
+    manifest = [json.loads(x) for x in (out / "manifest.jsonl").read_text().splitlines()]
+    assert "errors" not in manifest[0]["files"] and manifest[0]["errors"] == 0
+    (out / "manifest.jsonl").rename(tmp_path / "manifest.jsonl")
+    assert output.inspect(out) == ({ok: 2, bad: 2}, {})              # checked from the files alone
+    (out / "errors" / f"{bad}.parquet").rename(tmp_path / "lost.parquet")
+    assert "rows for 1 prompts (and no errors file), its name spans 2" in output.inspect(out)[1][bad]
+    (tmp_path / "manifest.jsonl").rename(out / "manifest.jsonl")
+    assert output.inspect(out)[1][bad] == f"errors/{bad}.parquet: missing"
+    (tmp_path / "lost.parquet").rename(out / "errors" / f"{ok}.parquet")
+    assert "the manifest recorded no errors file" in output.inspect(out)[1][ok]

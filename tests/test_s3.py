@@ -120,8 +120,9 @@ def test_whole_job_on_s3_then_verify_and_readers(s3, whole, reference):
     keys = server.keys(BUCKET, "whole/")
     parts = sorted(k.split("/")[-1] for k in keys if k.startswith("whole/images/"))
     assert len(parts) == N // 2
-    for t in ("images", "tokens", "errors"):
+    for t in ("images", "tokens"):
         assert sorted(k.split("/")[-1] for k in keys if k.startswith(f"whole/{t}/")) == parts
+    assert not [k for k in keys if k.startswith("whole/errors/") and not k.endswith("/")]   # no prompt failed
     assert {"whole/job.json", "whole/summary.json", "whole/manifest.jsonl"} <= set(keys)
     assert not [k for k in keys if (k.startswith("whole/manifest/") and not k.endswith("/")) or "job.lock" in k]  # folded, released (SeaweedFS keeps "dir/" markers)
     manifest = [json.loads(x) for x in server.client().get_object(Bucket=BUCKET, Key="whole/manifest.jsonl")
@@ -184,8 +185,8 @@ def assert_complete(server, prefix: str, reference) -> None:
     assert len(tokens) == N * 16 and set(tokens.prompt_id) == set(reference)
     keys = files(server, prefix)
     assert not [k for k in keys if "job.lock" in k or f"{prefix}/manifest/" in k], keys
-    for t in ("tokens", "errors"):
-        assert sorted(k.split("/")[-1] for k in keys if k.startswith(f"{prefix}/{t}/")) == committed_parts(server, prefix)
+    assert sorted(k.split("/")[-1] for k in keys if k.startswith(f"{prefix}/tokens/")) == committed_parts(server, prefix)
+    assert not [k for k in keys if k.startswith(f"{prefix}/errors/")]     # no prompt failed: no errors objects
 
 
 def test_driver_killed_mid_job_then_resumed_byte_identical(s3, ray_cluster, tiny_weights, reference):
@@ -229,7 +230,7 @@ def test_damaged_objects_are_quarantined_and_regenerated(s3, whole, ray_cluster,
     keys = files(server, "damaged")
     for p in (parts[1], parts[2]):
         assert f"quarantined {p[:-8]}:" in caplog.text
-        assert all(f"damaged/quarantine/{t}/{p}" in keys for t in ("images", "tokens", "errors"))
+        assert all(f"damaged/quarantine/{t}/{p}" in keys for t in ("images", "tokens"))
     assert_complete(server, "damaged", reference)
     from workflows.verify import main as verify
     assert verify([f"out_dir={out}", "verify=full"]) == 0
@@ -382,9 +383,8 @@ def test_store_that_stops_mid_job_exits_in_one_line_and_the_rerun_finishes(s3, r
         server.start()
     from workflows.verify import main as verify
     assert verify([f"out_dir=s3://{BUCKET}/outage", "verify=full"]) == 0
-    for t in ("tokens", "errors"):     # each committed part's images object came after its tokens and errors
-        have = {k.split("/")[-1] for k in files(server, "outage") if k.startswith(f"outage/{t}/")}
-        assert set(committed_parts(server, "outage")) <= have
+    have = {k.split("/")[-1] for k in files(server, "outage") if k.startswith("outage/tokens/")}
+    assert set(committed_parts(server, "outage")) <= have     # each committed part's images object came after its tokens
     r = cli(*argv)
     assert r.returncode == 0, r.stderr[-2000:]
     assert_complete(server, "outage", reference)
@@ -444,8 +444,8 @@ def test_crash_at_every_write_boundary_on_s3_then_rerun_is_exact(s3, ray_cluster
     assert not [k for k in keys if "/quarantine/" in k], keys
     assert image_bytes(out) == want
     parts = committed_parts(server, "crash")
-    for t in ("tokens", "errors"):       # the uncommitted parts' objects are gone
-        assert sorted(k.split("/")[-1] for k in keys if k.startswith(f"crash/{t}/")) == parts
+    assert sorted(k.split("/")[-1] for k in keys if k.startswith("crash/tokens/")) == parts   # the uncommitted parts'
+    assert not [k for k in keys if k.startswith("crash/errors/")]                           # objects are gone
     manifest = [json.loads(x) for x in server.client().get_object(Bucket=BUCKET, Key="crash/manifest.jsonl")
                 ["Body"].read().splitlines()]
     assert sorted(e["part"] + ".parquet" for e in manifest) == parts

@@ -1,6 +1,7 @@
 """GPU benchmark on LlamaGen-sized targets: `python -m workflows.bench_gpu [models=[GPT-L,GPT-XL]]
-[batch_sizes=[1,8]] [images=16] [compile=true]`. The same command runs on a CPU at a small size:
-`python -m workflows.bench_gpu models=[small] images=2 shapes_prompts=2 reps=3`.
+[batch_sizes=[1,8]] [images=16] [compile=true]`. The same command runs on a CPU at a small size (`CPU_RUN`):
+`python -m workflows.bench_gpu models=[small] images=2 shapes_prompts=2 reps=3`. It logs a line per
+engine and batch as it goes.
 
 For each model size (random weights in LlamaGen's shapes: no checkpoint needed, and none is read) and
 each batch size, it runs vanilla, eagle2 and adt_tree on the same class ids and seeds, interleaved batch
@@ -45,6 +46,8 @@ from workflows.config import ConfigError, cli, one_line_errors, register
 
 log = logging.getLogger("arspec.bench_gpu")
 register()
+CPU_RUN = "python -m workflows.bench_gpu models=[small] images=2 shapes_prompts=2 reps=3"
+CPU_SIZED_DIM = 768      # GPT-B's width: from there up a model is LlamaGen-sized, slow on a CPU
 
 
 def sync(device: torch.device) -> None:
@@ -93,10 +96,11 @@ def cost_curve(bundle, rows: int, tokens: list[int], reps: int) -> dict:
     return out
 
 
-def run_engines(bundle, engines: dict, prompts: list, batch: int, seed: int) -> dict:
+def run_engines(bundle, engines: dict, prompts: list, batch: int, seed: int, label: str = "") -> dict:
     """Every engine on the same prompts and seeds, interleaved batch by batch. Per engine: τ, target and
     drafter forwards, engine ms per step. Times the engine's decoding loop alone (`Engine.tokens`, device
-    synchronised), not the image decode the job adds to every engine alike."""
+    synchronised), not the image decode the job adds to every engine alike. A progress line per engine and
+    batch (`label` says which run)."""
     rows = {n: [] for n in engines}
     names = list(engines)
     batches = [prompts[i:i + batch] for i in range(0, len(prompts), batch)]
@@ -113,6 +117,8 @@ def run_engines(bundle, engines: dict, prompts: list, batch: int, seed: int) -> 
             tf, df = log_.target_forwards.tolist(), log_.draft_forwards.tolist()
             rows[n].append({"tau": [int(k) / max(t, 1) for k, t in zip(log_.n.tolist(), tf)], "tf": tf, "df": df,
                             "engine_s": engine_s, "steps": max(tf), "images": len(chunk)})
+            log.info(f"[bench_gpu] {label}batch {bi + 1}/{len(batches)} {n}: {len(chunk)} image(s), "
+                     f"τ {np.mean(rows[n][-1]['tau']):.2f}, {engine_s:.2f} s")
     out = {}
     for n, rs in rows.items():
         images = sum(r["images"] for r in rs)
@@ -138,7 +144,8 @@ def shapes_reference(cfg, device: torch.device) -> dict:
     bundle = load_bundle(ShapesConfig(device=str(device), dtype=cfg.dtype))
     prompts = [p["prompt"] for p in builtin_prompts(cfg.shapes_prompts, seed=1)]
     engines = {n: build_engine(bundle, engine_config(cfg.variants[n])) for n in cfg.engines}
-    out = run_engines(bundle, engines, prompts, 1, cfg.seed)
+    log.info(f"[bench_gpu] shapes model reference: {', '.join(engines)} on {len(prompts)} prompt(s) at batch 1")
+    out = run_engines(bundle, engines, prompts, 1, cfg.seed, "shapes model: ")
     return {n: {"tau": r["tau"], "draft_forwards_per_step": r["draft_forwards_per_step"]} for n, r in out.items()}
 
 
@@ -184,6 +191,13 @@ def table(report: dict) -> str:
     return "\n".join(lines)
 
 
+def too_big(cfg, device: torch.device) -> list[str]:
+    """The models that are LlamaGen-sized (GPT-B's width or more), where the device is a CPU."""
+    if device.type != "cpu":
+        return []
+    return [m for m in cfg.models if gpt_args(C2IConfig(**dict(cfg.sizes[m]))).dim >= CPU_SIZED_DIM]
+
+
 def run(cfg: DictConfig) -> dict:
     torch.manual_seed(cfg.seed)
     if cfg.threads:
@@ -195,6 +209,10 @@ def run(cfg: DictConfig) -> dict:
                           f"variants: {list(cfg.variants)} (add one with +sizes.NAME={{...}} or +variants.NAME=[...])")
     if "vanilla" not in cfg.engines:
         raise ConfigError("engines: must include vanilla (the baseline)")
+    big = too_big(cfg, device)
+    if big:
+        log.warning(f"[bench_gpu] on a CPU: {', '.join(big)} are LlamaGen-sized and take long here (a line per "
+                    f"engine and batch follows); the CPU-sized run is {CPU_RUN}")
     shapes = shapes_reference(cfg, device)
     log.info(f"[bench_gpu] shapes model reference (τ, drafter forwards per step): {shapes}")
     report = {"device": str(device), "dtype": str(pick_dtype(cfg.dtype, device)), "compile": cfg.compile,
@@ -211,7 +229,7 @@ def run(cfg: DictConfig) -> dict:
         for b in cfg.batch_sizes:
             log.info(f"[bench_gpu] {name} ({bundle.name}), batch {b}")
             costs = cost_curve(bundle, 2 * b, need, cfg.reps)
-            measured = run_engines(bundle, engines, classes, b, cfg.seed)
+            measured = run_engines(bundle, engines, classes, b, cfg.seed, f"{name}, batch size {b}: ")
             report["results"].setdefault(name, {})[b] = {
                 "cost_ms": costs, "measured": measured, "prediction": predict(measured, costs, shapes, engines)}
         del bundle, engines

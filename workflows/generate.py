@@ -183,6 +183,10 @@ def validate(c: GenerateConfig) -> None:
 # Ray's single-machine mode (read when ray is imported, by this process and every Ray process it
 # starts): a private local Ray binds GCS, raylet, agents and workers to 127.0.0.1 only.
 LOOPBACK_ENV = ("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+# Token authentication for that private Ray, chosen explicitly: a new local Ray turns it on by itself
+# and then warns on every start that it did ("Token authentication is enabled for this Ray cluster. Set
+# RAY_AUTH_MODE=disabled to opt out"). Read once, when ray is imported; a RAY_AUTH_MODE already set is kept.
+LOCAL_AUTH_ENV = ("RAY_AUTH_MODE", "token")
 
 
 def start_ray(cl, stop) -> str | None:
@@ -326,6 +330,24 @@ def summarize(t: Tally, c: GenerateConfig, total: int, already: int, seconds: fl
             "out_dir": c.out_dir}
 
 
+def no_prompts(c: GenerateConfig) -> ConfigError:
+    """The one line for a prompt set with nothing to generate: an empty file (no rows, blank lines only, a
+    header only), or data.limit=0."""
+    if c.data.limit == 0:
+        return ConfigError("data.limit=0: nothing to generate; give data.limit >= 1, or null for every prompt")
+    where = f"data.path={c.data.path}" if c.data.path else f"data={c.data.name}"
+    return ConfigError(f"{where}: holds no prompts (data.limit={c.data.limit}): nothing to generate; give a "
+                       f"prompt set with rows in it")
+
+
+def check_prompts(c: GenerateConfig) -> None:
+    """The prompt file opens, its columns are there, and it holds a prompt (its first chunk read), before
+    anything is written to out_dir: a resume reads the same prompts, so an empty set is never a finished job's."""
+    from workflows.prompts import PromptSource
+    if next(iter(PromptSource(c.data).chunks()), None) is None:
+        raise no_prompts(c)
+
+
 def plan_job(c: GenerateConfig, verify: str = "quick"):
     """The streamed plan of the job and its checking pass (no Ray): what `run` does before Ray starts,
     and what workflows.bench_plan measures. Damaged parts are quarantined first (actors/output.recover)."""
@@ -350,9 +372,7 @@ def plan_job(c: GenerateConfig, verify: str = "quick"):
     except ValueError as e:     # a prompt the model cannot take (text for a class-conditional model)
         raise ConfigError(f"data: {e}") from None
     if not plan.stats.prompts:
-        where = f"data.path={c.data.path}" if c.data.path else f"data={c.data.name}"
-        raise ConfigError(f"{where}: holds no prompts (data.limit={c.data.limit}): nothing to generate; give a "
-                          f"prompt set with rows in it")
+        raise no_prompts(c)
     check_out_dir(out_dir, fp)   # a new out_dir gets its job.json only once its prompts passed the check
     return plan
 
@@ -363,8 +383,10 @@ def run(cfg: DictConfig) -> dict:
     validate(c)
     if c.cluster.address is None and "ray" not in sys.modules:    # before ray is imported (start_ray)
         os.environ[LOOPBACK_ENV[0]] = LOOPBACK_ENV[1]
+        os.environ.setdefault(*LOCAL_AUTH_ENV)
     out_dir = out_dir_of(c)
-    claim_out_dir(out_dir)
+    claim_out_dir(out_dir)      # (on a store: its bucket and credentials, before the prompts are read from it)
+    check_prompts(c)            # before the lock creates out_dir
     stop = Stop(c.cluster.grace_s)
     with on_sigterm(stop), out_dir_lock(out_dir, c.cluster.lock_timeout_s, stop) as lock:   # workflows/lock.py
         return _generate(c, out_dir, stop, lock.me["token"])

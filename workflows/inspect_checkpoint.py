@@ -12,9 +12,12 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 from decoding.checkpoint import read_checkpoint
+from decoding.llamagen.config import guess_heads
 from decoding.llamagen.layouts import DERIVED, KINDS, LAYOUTS, describe, drop_derived
+from decoding.llamagen.load import recorded
 
 MAR_KINDS = {"mar": "MAR (LTH14/mar layout: transformer + diffusion head; model=mar)",
              "kl_vae": "KL VAE (LDM layout, MAR's kl16.ckpt; model.vae_ckpt)"}
@@ -47,9 +50,10 @@ def settings(info: dict, path: str) -> str:
     key = "" if info["container"] in ("model", "raw") else f" model.gpt_weights_key={info['container']}"
     if kind in ("gpt_c2i", "gpt_t2i"):
         family = "llamagen_c2i" if kind == "gpt_c2i" else "llamagen_t2i"
+        heads = info["recorded"].get("heads") or guess_heads(info["dim"]) or "<heads>"
         dims = f"model.gpt_model={info['preset']}" if info["preset"] else \
-            f"model.dim={info['dim']} model.n_layer={info['n_layer']} model.n_head=<heads>"
-        size = info.get("args", {}).get("image_size") or "<the size it was trained at: 256|384|512>"
+            f"model.dim={info['dim']} model.n_layer={info['n_layer']} model.n_head={heads}"
+        size = info["recorded"].get("size") or "<the size it was trained at: 256|384|512>"
         extra = [f"model.codebook_size={info['vocab_size']}"] if info["vocab_size"] != 16384 else []
         if kind == "gpt_c2i" and info["num_classes"] != 1000:
             extra.append(f"model.num_classes={info['num_classes']}")
@@ -111,6 +115,10 @@ def inspect(path: str) -> dict:
     saved = ck.extra.get("args")
     if saved is not None:
         info["args"] = {k: getattr(saved, k) for k in ARGS_SHOWN if hasattr(saved, k)}
+    if info["kind"] in ("gpt_c2i", "gpt_t2i"):      # what the file records beyond its shapes (a VQ-16 grid)
+        rec = recorded(ck, info, SimpleNamespace(cls_token_num=1), p)
+        info["recorded"] = {"heads": rec.get("heads", (None,))[0],
+                            "size": rec["grid"][0] * 16 if "grid" in rec else rec.get("size", (None,))[0]}
     info["settings"] = settings(info, path)
     if info["kind"] == "unknown":
         info["first_keys"] = sorted(ck.state_dict)[:12]
@@ -132,10 +140,14 @@ def report(info: dict) -> str:
         cond = f"{info['num_classes']} classes (+ the null class)" if k == "gpt_c2i" else \
             f"caption dim {info['caption_dim']}, {info['cls_token_num']} caption tokens"
         lines.append(f"  dims: dim {info['dim']}, {info['n_layer']} layers, vocab {info['vocab_size']}, FFN {info['ffn_hidden']}, {cond}")
+        heads = info["recorded"]["heads"]
         lines.append(f"  preset: {info['preset']} ({info['n_head']} heads)" if info["preset"] else
-                     "  preset: none matches (dim, layers): give model.dim, model.n_layer and model.n_head")
+                     "  preset: none matches (dim, layers): give model.dim, model.n_layer and model.n_head"
+                     + (f" ({heads} heads recorded)" if heads else " (heads not recorded: LlamaGen's are 64 wide)"))
         example = "c2i_L_384.pt" if k == "gpt_c2i" else "t2i_XL_stage2_512.pt"
-        lines.append(f"  image size: not stored in the weights (LlamaGen names it in the file: {example})")
+        size = info["recorded"]["size"]
+        lines.append(f"  image size: {size} px, as the file records it" if size else
+                     f"  image size: not recorded (LlamaGen names it in the file: {example})")
     elif k == "vq":
         lines.append(f"  dims: codebook {info['codebook_size']} x {info['codebook_embed_dim']}, ch {info['ch']}, "
                      f"ch_mult {info['ch_mult']}, z_channels {info['z_channels']}, {info['num_res_blocks']} res blocks, "

@@ -3,8 +3,9 @@
 Defaults are LlamaGen's sampling scripts' (autoregressive/sample/sample_c2i.py, sample_t2i.py): c2i GPT-B
 at 384 px, t2i GPT-XL at 512 px with 120 FLAN-T5 tokens, VQ-16 with a 16384 x 8 codebook. A preset names
 the GPT's depth and width; `dim`, `n_layer`, `n_head` override it (explicit dims), and the VQ's widths can
-be given the same way. Nothing about the image size is stored in a GPT checkpoint (the RoPE table is
-rebuilt), so `image_size` must match the checkpoint's (LlamaGen names it in the file: c2i_L_384.pt).
+be given the same way. A GPT's weights do not depend on the image size (the RoPE table is rebuilt), so
+`image_size` must match the checkpoint's: the loader refuses another size where the file records one (a
+RoPE table, saved training args, LlamaGen's file name: c2i_L_384.pt) and says the size it assumes where not.
 """
 from __future__ import annotations
 
@@ -89,8 +90,20 @@ def gpt_args(cfg: LlamaGenConfig) -> GPTArgs:
                           num_classes=getattr(cfg, "num_classes", 1000), caption_dim=getattr(cfg, "caption_dim", 2048),
                           cls_token_num=cfg.cls_token_num if t2i else 1)
     if a.dim % a.n_head or a.head_dim % 4:
+        if cfg.n_head is None:      # the preset's head count: name the setting that was given, and the one to add
+            raise _bad("dim", a.dim, f"{cfg.gpt_model}'s {a.n_head} heads (model.n_head is not set) do not split it "
+                       f"into whole heads of a size divisible by 4 (2D RoPE): set model.n_head too"
+                       + (f", e.g. model.n_head={guess_heads(a.dim)} ({a.dim // guess_heads(a.dim)}-wide heads)"
+                          if guess_heads(a.dim) else ""))
         raise _bad("n_head", a.n_head, f"dim {a.dim} / n_head must be a whole head size divisible by 4 (2D RoPE)")
     return a
+
+
+def guess_heads(dim: int) -> Optional[int]:
+    """A head count for `dim` when nothing records one: LlamaGen's 64-wide heads (GPT-B to XXL), else the
+    widest head under 64 that divides dim and is divisible by 4 (2D RoPE); None when none is."""
+    width = next((w for w in range(64, 3, -4) if dim % w == 0), None)
+    return None if width is None else dim // width
 
 
 def drafter_args(target: GPTArgs, n_layer: int = 1, **overrides) -> DrafterArgs:

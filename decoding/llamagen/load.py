@@ -13,6 +13,8 @@ so a 3B checkpoint is neither randomly initialised first nor held twice in memor
 from __future__ import annotations
 
 import json
+import math
+import re
 from dataclasses import replace
 from pathlib import Path
 from typing import Optional
@@ -21,11 +23,12 @@ import torch
 
 from decoding.bundle import cast
 from decoding.checkpoint import load_strict, read_checkpoint
-from decoding.llamagen.config import LlamaGenConfig, describe, drafter_args, gpt_args, vq_args
+from decoding.llamagen.config import LlamaGenConfig, describe, drafter_args, gpt_args, guess_heads, vq_args
 from decoding.llamagen.layouts import KINDS, describe as describe_sd, drop_derived, from_hf, summary
 from decoding.models.drafter import Drafter, DrafterArgs
-from decoding.models.gpt import GPT, GPTArgs, rope_complex, rope_table_2d
+from decoding.models.gpt import GPT, GPT_PRESETS, GPTArgs, rope_complex, rope_table_2d
 from decoding.models.vq import VQModel
+from decoding.registry import NOTES
 
 INSPECT = "python -m workflows.inspect_checkpoint"
 _HOME = {"gpt_c2i": "model=llamagen_c2i model.gpt_ckpt", "gpt_t2i": "model=llamagen_t2i model.gpt_ckpt",
@@ -61,11 +64,48 @@ def _wrong_kind(setting: str, path, d: dict, want: str) -> ValueError:
     return ValueError(f"model.{setting}={path}: holds {summary(d)}, not a {KINDS[want].split(' (')[0]}{fix}")
 
 
-def _gpt_fixes(d: dict, a: GPTArgs) -> list[str]:
-    """The settings that would make the config describe the checkpoint `d` (from its shapes)."""
+SIZE_IN_NAME = re.compile(r"_(\d{3,4})$")    # LlamaGen's file names end in the image size: c2i_L_384.pt
+_SAID: set = set()                              # (path, size) whose assumed image size was said in this process
+
+
+def recorded(ck, d: dict, a: GPTArgs, path) -> dict:
+    """What a GPT checkpoint tells beyond its weights' shapes, each as (value, where it says so): `heads`
+    and `grid` from a RoPE table (freqs_cis, which some exports keep: the condition rows, then grid x grid
+    rows of head size / 2), `heads` and `size` from its saved training args where they are this GPT's (their
+    gpt_model has the weights' dims); else `size` from a LlamaGen file name."""
+    out = {}
+    rope = next((t for k, t in ck.state_dict.items() if k.endswith("freqs_cis") and t.dim() == 3), None)
+    if rope is not None:
+        rows = rope.shape[0] - (d.get("cls_token_num") or a.cls_token_num)
+        if rows > 0 and math.isqrt(rows) ** 2 == rows:
+            out["grid"] = (math.isqrt(rows), "its RoPE table")
+        if d["dim"] % (2 * rope.shape[1]) == 0:
+            out["heads"] = (d["dim"] // (2 * rope.shape[1]), "its RoPE table")
+    args = ck.extra.get("args")
+    preset = GPT_PRESETS.get(getattr(args, "gpt_model", None))
+    if preset and (preset["dim"], preset["n_layer"]) == (d["dim"], d["n_layer"]):
+        out.setdefault("heads", (preset["n_head"], f"its saved args, gpt_model={args.gpt_model}"))
+        if isinstance(getattr(args, "image_size", None), int):
+            out["size"] = (args.image_size, "its saved args")
+    name = SIZE_IN_NAME.search(Path(path).stem)
+    if name:
+        out.setdefault("size", (int(name.group(1)), "its file name"))
+    return out
+
+
+def _gpt_fixes(d: dict, a: GPTArgs, cfg: LlamaGenConfig, rec: dict) -> list[str]:
+    """The settings that would make the config describe the checkpoint `d` (from its shapes; the head
+    count as `rec` records it, else the preset's, else guessed and said so)."""
     fixes = []
     if (d["dim"], d["n_layer"]) != (a.dim, a.n_layer):
-        fixes.append(f"model.gpt_model={d['preset']}" if d["preset"] else f"model.dim={d['dim']} model.n_layer={d['n_layer']}")
+        heads = rec.get("heads", (d["n_head"],))[0]
+        explicit = any(getattr(cfg, k) is not None for k in ("dim", "n_layer", "n_head"))
+        if d["preset"] and not explicit and heads == d["n_head"]:
+            fixes.append(f"model.gpt_model={d['preset']}")
+        else:
+            guess = "" if heads else " (assumed: the checkpoint does not record its head count)"
+            fixes.append(f"model.dim={d['dim']} model.n_layer={d['n_layer']} "
+                         f"model.n_head={heads or guess_heads(d['dim']) or '<heads>'}{guess}")
     if d["vocab_size"] != a.vocab_size:
         fixes.append(f"model.codebook_size={d['vocab_size']}")
     if d.get("num_classes") not in (None, a.num_classes):
@@ -75,6 +115,26 @@ def _gpt_fixes(d: dict, a: GPTArgs) -> list[str]:
     if d.get("cls_token_num") not in (None, a.cls_token_num) and a.model_type == "t2i":
         fixes.append(f"model.cls_token_num={d['cls_token_num']}")
     return fixes
+
+
+def _unseen_fixes(cfg: LlamaGenConfig, a: GPTArgs, rec: dict) -> list[tuple[str, str]]:
+    """(setting, why) for what the weights load with either way but decode wrong: a head count or an image
+    size other than the ones the checkpoint records."""
+    out = []
+    if "heads" in rec and rec["heads"][0] != a.n_head:
+        n, how = rec["heads"]
+        out.append((f"model.n_head={n}", f"model.n_head={a.n_head}: model.gpt_ckpt={cfg.gpt_ckpt} has {n} heads ({how})"))
+    down = vq_args(cfg).downsample
+    size, how = (rec["grid"][0] * down, rec["grid"][1]) if "grid" in rec else rec.get("size", (None, ""))
+    if size is not None and size != cfg.image_size:
+        out.append((f"model.image_size={size}", f"model.image_size={cfg.image_size}: model.gpt_ckpt={cfg.gpt_ckpt} "
+                                                f"was trained at {size} px ({how})"))
+    elif size is None and (cfg.gpt_ckpt, cfg.image_size) not in _SAID:
+        _SAID.add((cfg.gpt_ckpt, cfg.image_size))
+        NOTES.warning(f"model.image_size={cfg.image_size} assumed: model.gpt_ckpt={cfg.gpt_ckpt} does not record the "
+                      f"size it was trained at (no RoPE table or saved args, no size in its name as in c2i_L_384.pt); "
+                      f"set model.image_size if it is another")
+    return out
 
 
 def load_gpt(cfg: LlamaGenConfig, dtype: torch.dtype) -> GPT:
@@ -90,7 +150,12 @@ def load_gpt(cfg: LlamaGenConfig, dtype: torch.dtype) -> GPT:
         raise _wrong_kind("gpt_ckpt", cfg.gpt_ckpt, d, want)
     if d["layout"] == "hf":
         sd = from_hf(sd, "model.")[0]
-    fixes = _gpt_fixes(d, a)
+    rec = recorded(ck, d, a, cfg.gpt_ckpt)
+    fixes = _gpt_fixes(d, a, cfg, rec)
+    unseen = [(fix, why) for fix, why in _unseen_fixes(cfg, a, rec) if fix.split("=")[0] not in " ".join(fixes)]
+    if unseen and not fixes:     # the weights would load, and decode wrong
+        raise ValueError(f"{'; '.join(why for _, why in unseen)}: set {' '.join(fix for fix, _ in unseen)}")
+    fixes += [fix for fix, _ in unseen]
     hint = (f"it holds {summary(d)}: set {' '.join(fixes)}; " if fixes else "") + f"see {INSPECT} {cfg.gpt_ckpt}"
     return _materialize(lambda: GPT(a), sd, f"model.gpt_ckpt={cfg.gpt_ckpt} ({ck.container}) into "
                         f"{describe(a, cfg)}", hint, dtype)
