@@ -221,6 +221,22 @@ def test_image_does_not_depend_on_its_batch(grid4, variant):
         assert other.records["p_target"] == pytest.approx(alone.records["p_target"], abs=1e-6)
 
 
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_an_image_does_not_depend_on_when_it_joined_a_continuous_batch(grid4, variant):
+    """Six prompts through two rows: each later prompt takes a row freed mid-stream, its batch-mate part
+    way through its image. A row's draws are keyed by its own iterations, so each image is the one its
+    prompt gives alone."""
+    from decoding.engines.requests import Request
+    engine = build(grid4, variant, sampling=SAMPLING)
+    seeds = [21, 22, 23, 24, 25, 26]
+    outs = {o.key: o.result for o in engine.stream((Request(c, s, key=s) for c, s in zip(labels(6).split(), seeds)),
+                                                   slots=2)}
+    for s in seeds:
+        alone = engine.generate(labels(1), [s])[0]
+        assert outs[s].tokens.tolist() == alone.tokens.tolist(), s
+        assert outs[s].records["step"].tolist() == alone.records["step"].tolist(), s
+
+
 @pytest.mark.parametrize("variant", ["sjd", "mc_sjd"])
 def test_token_log_says_what_each_iteration_did(variant):
     """Per iteration (`step`): its tokens are contiguous, `accept_len` is their count, all but the last
