@@ -33,11 +33,6 @@ class Proposal:
     extra: SimpleNamespace
 
 
-def cap() -> int:
-    """CATCH_UP_MAX, read at run time (tests lower it)."""
-    return CATCH_UP_MAX
-
-
 def root_tokens(log, N: int) -> torch.Tensor:
     """Each row's last committed token [B, 1] (an empty slot: any id)."""
     return log.tokens.gather(1, (log.n - 1).clamp(0, N - 1)[:, None]).clamp(min=0)
@@ -76,7 +71,7 @@ class ChainProposer:
         """Keep the target's draws past each row's accepted path as the next chain. Returns the mean drafts
         a busy row accepted (None: no row was busy)."""
         K = prop.K
-        st.pending = min(st.pending + m_max + 1, cap())
+        st.pending = min(st.pending + m_max + 1, CATCH_UP_MAX)
         src = (v.accepted[:, None] + 1 + torch.arange(K, device=self.e.device)).clamp(max=K)   # each draw's node
         node = torch.cat([torch.zeros_like(prop.extra.exists[:, :1]), prop.extra.exists], 1)
         st.chain_ok = (v.accepted[:, None] + 1 + torch.arange(K, device=self.e.device) <= K) & node.gather(1, src)
@@ -148,7 +143,7 @@ class TreeProposer:
         a row fed."""
         e, log, N = self.e, st.log, self.e.N
         todo = torch.where(active, log.n - 1 - st.dn, 0)                   # pairs per row
-        skip = (todo - cap()).clamp(min=0)                          # older pairs stay unseen
+        skip = (todo - CATCH_UP_MAX).clamp(min=0)                          # older pairs stay unseen
         st.dn, todo = st.dn + skip, todo - skip
         C = int(todo.max())
         if C == 0:
