@@ -26,10 +26,10 @@ from tests.conftest import labels, tiny_bundle
 from tests.test_oracle import B, SAMPLING, conditions, oracle
 
 # windows shorter than the image: drafts are carried, coupled and shifted over several iterations, and
-# clipped at the last token; both initialisations and both ways of scoring a new token
+# clipped at the last token; both initialisations
 VARIANTS = {
     "sjd": dict(window=2),
-    "sjd-repeat-onehot": dict(window=3, init="repeat", init_q="onehot"),
+    "sjd-repeat": dict(window=3, init="repeat"),
     "mc_sjd": dict(window=4),
     "mc_sjd-repeat": dict(window=3, init="repeat"),
     "mc_sjd-gumbel": dict(window=3, coupling="gumbel"),
@@ -279,7 +279,7 @@ def test_coupling_keeps_drafts_that_sjd_throws_away():
 
 @pytest.mark.parametrize("bad, message", [
     (dict(window=0), "engine.window=0"), (dict(init="spiral"), "engine.init='spiral'"),
-    (dict(init_q="uniform"), "engine.init_q='uniform'"), (dict(coupling="copula"), "engine.coupling='copula'")])
+    (dict(coupling="copula"), "engine.coupling='copula'")])
 def test_bad_settings_are_refused_in_one_line(bad, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(")):
         engine_config("mc_sjd", **bad)

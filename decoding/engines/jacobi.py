@@ -58,10 +58,6 @@ class JacobiConfig(EngineConfig):
     # New positions: random (a uniformly random token: SJD's default) | repeat (a copy of the left
     # neighbour in the same image row, the first column random: SJD's "spatial prior")
     init: str = "random"
-    # The q a new token is scored with: law (its true law: uniform for a random token, a point mass for a
-    # copy; SJD-PAC's rule) | onehot (a point mass on any new token, as SJD's code does). Both exact;
-    # law accepts a random token with min(1, V p(x)) instead of p(x).
-    init_q: str = "law"
 
     def validate(self) -> None:
         super().validate()
@@ -69,8 +65,6 @@ class JacobiConfig(EngineConfig):
             raise ValueError(f"engine.window={self.window}: must be >= 1 (drafts per iteration)")
         if self.init not in ("random", "repeat"):
             raise ValueError(f"engine.init={self.init!r}: use 'random' or 'repeat' (copy the left neighbour)")
-        if self.init_q not in ("law", "onehot"):
-            raise ValueError(f"engine.init_q={self.init_q!r}: use 'law' (uniform for a random token) or 'onehot'")
 
 
 @dataclass
@@ -200,12 +194,14 @@ class Jacobi(SlotEngine):
 
     def next_window(self, streams: Streams, log: TokenLog, carried, tok, q, step):
         """The next window [B, W] (and its q [B, W, V]): lanes `carried` keep (tok, q); the others (a
-        suffix) are new positions, initialised by `cfg.init` and scored by `cfg.init_q`."""
+        suffix) are new positions, initialised by `cfg.init` and scored by their true law: uniform for a
+        random token (accepted with min(1, V p(x)), where SJD's code scores it as a point mass: min(1, p(x))),
+        a point mass for a copy."""
         B, W = carried.shape
         V = q.shape[-1]
         pos = log.n[:, None] + torch.arange(W, device=self.device)
         new = torch.remainder(streams.bits(JACOBI, pos, step), V)                # exactly uniform for V = 2^k
-        point = torch.full_like(carried, self.cfg.init_q == "onehot")
+        point = torch.zeros_like(carried)
         if self.cfg.init == "repeat":
             # a new lane copies the nearest lane to its left in the same image row that is not new
             # (the last carried draft, or the last committed token), or the first new lane of its row
