@@ -13,5 +13,7 @@ by another version, whose images would not match. tests/test_sampling.py pins th
      of zero mass); temperature applied after subtracting the row's maximum; mc_sjd's Gumbel coupling is
      the same race as `sample`; a Jacobi draft with p >= q passes without reading its uniform; a cspd
      draft proposes a draw of its final Gaussian (μ_q + σ_q ε_0), not its mean
+  6  the shipped continuous shapes MAR and its draft sample with 25 diffusion steps (was 100); cspd's
+     defaults are 16 drafts per window after a 5% prefill (were 8 and 15%)
 """
-BYTES_VERSION = 5
+BYTES_VERSION = 6

@@ -1,5 +1,5 @@
 """Side-by-side engine benchmark: `python -m workflows.bench [prompts=N] [batch_size=B | batch_sizes=[1,8]]
-[engines=[...]]`; the continuous engines: `python -m workflows.bench baseline=mar256 engines=[mar256,mar64,cspd256,cspd64]`;
+[engines=[...]]`; the continuous engines: `python -m workflows.bench baseline=mar engines=[mar,cspd]`;
 a first look on a CPU: `python -m workflows.bench prompts=4 engines=[vanilla,auto]`.
 
 Every variant is a list of `generate` overrides (so it uses exactly the job's engine configs) and runs

@@ -40,8 +40,8 @@ TRIAL = 0  # second counter of ACCEPT draws: the acceptance test (RESAMPLE: the 
 @dataclass
 class CSpDConfig(MarEngineConfig):
     name: str = "cspd"
-    num_draft: int = 8            # draft AR steps per target verification (reference 8; its demo 4)
-    prefill_ratio: float = 0.15   # the first ceil(ratio * num_iter) steps are the target's (reference 0.15; demo 0.05)
+    num_draft: int = 16           # draft AR steps per window (reference 8): the best measured (docs/design.md, "Continuous engines")
+    prefill_ratio: float = 0.05   # the first ceil(ratio * num_iter) steps are the target's (reference 0.15; demo 0.05)
     lam: float = 42.0             # λ: widens both Gaussians of the acceptance test (reference 42); 1 = no widening
     max_tries: int = 100          # residual acceptance-rejection tries per rejected token (reference 100)
     trajectory_terms: bool = True  # the reference's Σ(L_p − L_q) in the test (and c in the residual): relaxed
