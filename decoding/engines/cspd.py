@@ -40,7 +40,7 @@ TRIAL = 0  # second counter of ACCEPT draws: the acceptance test (RESAMPLE: the 
 @dataclass
 class CSpDConfig(MarEngineConfig):
     name: str = "cspd"
-    num_draft: int = 16           # draft AR steps per window (reference 8): the best measured (docs/design.md, "Continuous engines")
+    num_draft: int = 16           # draft AR steps per window (reference 8): the best measured, docs/design.md
     prefill_ratio: float = 0.05   # the first ceil(ratio * num_iter) steps are the target's (reference 0.15; demo 0.05)
     lam: float = 42.0             # λ: widens both Gaussians of the acceptance test (reference 42); 1 = no widening
     max_tries: int = 100          # residual acceptance-rejection tries per rejected token (reference 100)
