@@ -15,5 +15,7 @@ by another version, whose images would not match. tests/test_sampling.py pins th
      draft proposes a draw of its final Gaussian (μ_q + σ_q ε_0), not its mean
   6  the shipped continuous shapes MAR and its draft sample with 25 diffusion steps (was 100); cspd's
      defaults are 16 drafts per window after a 5% prefill (were 8 and 15%)
+  7  sjd and mc_sjd are the tree engine's chain steps (chains.py): their draws are keyed by the row's
+     step count and token position, their windows stop before the last token (its bonus draw)
 """
-BYTES_VERSION = 6
+BYTES_VERSION = 7

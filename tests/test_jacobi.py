@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 import torch
 
-import decoding.engines.jacobi as jacobi
+import decoding.engines.chains as chains
+import decoding.engines.verify as verify
 import tests.test_lossless as lossless
 from decoding.engines import build_engine, engine_config
 from decoding.sampling import sample
@@ -28,11 +29,12 @@ from tests.test_oracle import B, SAMPLING, conditions, oracle
 # windows shorter than the image: drafts are carried, coupled and shifted over several iterations, and
 # clipped at the last token; both initialisations
 VARIANTS = {
-    "sjd": dict(window=2),
-    "sjd-repeat": dict(window=3, init="repeat"),
-    "mc_sjd": dict(window=4),
-    "mc_sjd-repeat": dict(window=3, init="repeat"),
-    "mc_sjd-gumbel": dict(window=3, coupling="gumbel"),
+    "sjd": dict(chain=2),
+    "sjd-repeat": dict(chain=3, init="repeat"),
+    "mc_sjd": dict(chain=4),
+    "mc_sjd-repeat": dict(chain=3, init="repeat"),
+    "mc_sjd-gumbel": dict(chain=3, coupling="gumbel"),
+    "mc_sjd-above": dict(chain=3, init="above"),
 }
 N_BROKEN = 3000     # samples for a wrong rule: enough for p < 1e-6 (the weakest, coupled_keeps_q_old, ~1e-8 at 2000)
 
@@ -67,7 +69,7 @@ def test_jacobi_samples_the_vanilla_distribution(wide, variant, monkeypatch):
 
 
 # -- wrong rules the statistical test must reject -------------------------------------------------------
-TRUE = {"trial": jacobi.trial, "carry": jacobi.MCSJD.carry, "next_window": jacobi.Jacobi.next_window}
+TRUE = {"trial": verify.trial, "learn": chains.ChainProposer.learn, "fill": chains.fill}
 
 
 def accept_with_p(p, q, x, u, key_res):
@@ -82,24 +84,29 @@ def residual_without_q(p, q, x, u, key_res):
     return passed, sample(p, key_res)
 
 
-def coupled_keeps_q_old(self, streams, p, q, tok, passed, fix, pos, step):
+def coupled_keeps_q_old(self, st, prop, v, probs, n, active, m_max):
     """Wrong (SCD's Lumina code): a draft the coupling kept keeps the q it was drawn from, not p."""
-    nxt, _ = TRUE["carry"](self, streams, p, q, tok, passed, fix, pos, step)
-    kept = torch.cat([passed, torch.zeros_like(passed[:, :1])], 1)
-    return nxt, torch.where(kept[..., None], torch.cat([q, p[:, -1:]], 1), p)
+    out = TRUE["learn"](self, st, prop, v, probs, n, active, m_max)
+    K, V = prop.K, probs.shape[-1]
+    node = (v.accepted[:, None] + 2 + torch.arange(K)).clamp(max=K)     # the node each next lane's draft was
+    kept = v.passed.gather(1, node) & (v.accepted[:, None] + 2 + torch.arange(K) <= K)
+    old = prop.law.gather(1, node[..., None].expand(-1, -1, V))
+    st.chain_law = torch.where(kept[..., None], old, st.chain_law)
+    return out
 
 
-def copies_scored_uniform(self, streams, log, carried, tok, q, step):
+def copies_scored_uniform(init, e, st, n, drawn, old):
     """Wrong: a copy of the left neighbour scored as if it were a uniformly random token."""
-    tok, q = TRUE["next_window"](self, streams, log, carried, tok, q, step)
-    return tok, torch.where(carried[..., None], q, 1.0 / q.shape[-1])
+    tok, copy = TRUE["fill"](init, e, st, n, drawn, old)
+    return tok, torch.zeros_like(copy)
 
 
-BROKEN = {  # rule -> (where it lives, replacement, the variant it breaks)
-    "accept_with_p": (jacobi, "trial", accept_with_p, "sjd"),
-    "residual_without_q": (jacobi, "trial", residual_without_q, "sjd"),
-    "coupled_keeps_q_old": (jacobi.MCSJD, "carry", coupled_keeps_q_old, "mc_sjd"),
-    "copies_scored_uniform": (jacobi.Jacobi, "next_window", copies_scored_uniform, "mc_sjd-repeat"),
+BROKEN = {  # rule -> (where it lives, replacement, the variant it breaks, the world that shows it)
+    "accept_with_p": (verify, "trial", accept_with_p, "sjd", "small"),
+    "residual_without_q": (verify, "trial", residual_without_q, "sjd", "small"),
+    # on 2x2 images a chain reaches past its first rejection once in ~6 images: p ~5e-4 at 6000
+    "coupled_keeps_q_old": (chains.ChainProposer, "learn", coupled_keeps_q_old, "mc_sjd", "wide"),
+    "copies_scored_uniform": (chains, "fill", copies_scored_uniform, "mc_sjd-repeat", "small"),
 }
 
 
@@ -111,9 +118,9 @@ def small():
 
 
 @pytest.mark.parametrize("rule", list(BROKEN))
-def test_the_test_rejects_a_wrong_rule(small, monkeypatch, rule):
-    bundle, sampling, exact = small
-    owner, attr, broken, variant = BROKEN[rule]
+def test_the_test_rejects_a_wrong_rule(request, monkeypatch, rule):
+    owner, attr, broken, variant, world = BROKEN[rule]
+    bundle, sampling, exact = request.getfixturevalue(world)
     monkeypatch.setattr(owner, attr, broken)
     monkeypatch.setattr(lossless, "N_SAMPLES", N_BROKEN)
     assert pvalue(monkeypatch, bundle, exact, sampling, variant) < 1e-6
@@ -121,16 +128,15 @@ def test_the_test_rejects_a_wrong_rule(small, monkeypatch, rule):
 
 # -- deterministic ----------------------------------------------------------------------------------------
 def record_windows(engine) -> list:
-    """Wrap the engine's window forward: keep (n, window drafts, p) of every iteration (rows keep their
+    """Wrap the engine's verification: keep (n, window drafts, p) of every iteration (rows keep their
     places: prompt b in row b)."""
-    calls, forward = [], engine.window_forward
+    calls, accept = [], engine.verifier.accept
     engine.regroups = False
 
-    def spy(target, log, n, tok):
-        p = forward(target, log, n, tok)
-        calls.append((n.clone(), tok.clone(), p.clone()))
-        return p
-    engine.window_forward = spy
+    def spy(st, prop, probs, n, active):
+        calls.append((n.clone(), prop.tree.tok[:, 1:].clone(), probs.clone()))
+        return accept(st, prop, probs, n, active)
+    engine.verifier.accept = spy
     return calls
 
 
@@ -140,7 +146,7 @@ def test_every_window_distribution_matches_a_cache_free_forward(variant, model_t
     """p at every window lane = the filtered distribution after prefix + the drafts before that lane,
     computed without a cache (CFG, temperature 0.8, top-k, top-p; padded captions for t2i)."""
     bundle = tokens_only(tiny_bundle(vocab=8, grid=4, seed=1, std=0.3, model_type=model_type))
-    engine = build(bundle, variant, sampling=SAMPLING, window=5)
+    engine = build(bundle, variant, sampling=SAMPLING, chain=5)
     calls = record_windows(engine)
     cond = conditions(bundle, model_type)
     results = engine.generate(cond, list(range(100, 100 + B)))
@@ -194,9 +200,9 @@ def shipped():
 
 @pytest.mark.parametrize("variant", ["sjd", "mc_sjd", "mc_sjd-gumbel"])
 def test_greedy_on_the_shipped_model(shipped, variant):
-    """Greedy Jacobi (window 16) = greedy vanilla on the shipped model, token for token."""
+    """Greedy Jacobi (16 drafts) = greedy vanilla on the shipped model, token for token."""
     bundle, cond, want = shipped
-    got = build(bundle, variant, sampling=dict(temperature=0.0), window=16).generate(cond, [0, 1])
+    got = build(bundle, variant, sampling=dict(temperature=0.0), chain=16).generate(cond, [0, 1])
     assert [r.tokens.tolist() for r in got] == want
 
 
@@ -271,14 +277,14 @@ def test_coupling_keeps_drafts_that_sjd_throws_away():
     bundle = tokens_only(tiny_bundle(vocab=8, grid=4, seed=1, std=0.3))
     tau = {}
     for name, kw in (("sjd", {}), ("mc_sjd", {}), ("mc_sjd", dict(coupling="gumbel"))):
-        e = build_engine(bundle, engine_config(name, sampling=SAMPLING, window=8, **kw))
+        e = build_engine(bundle, engine_config(name, sampling=SAMPLING, chain=8, **kw))
         tau[name + kw.get("coupling", "")] = np.mean([r.mean_accept_len for r in e.generate(labels(600), list(range(600)))])
     # maximal: 1.14-1.17x sjd on three sets of seeds; gumbel: 1.065-1.10x (a weaker coupling)
     assert tau["mc_sjd"] > 1.1 * tau["sjd"] and tau["mc_sjdgumbel"] > 1.03 * tau["sjd"], tau
 
 
 @pytest.mark.parametrize("bad, message", [
-    (dict(window=0), "engine.window=0"), (dict(init="spiral"), "engine.init='spiral'"),
+    (dict(chain=0), "engine.chain=0"), (dict(init="spiral"), "engine.init='spiral'"),
     (dict(coupling="copula"), "engine.coupling='copula'")])
 def test_bad_settings_are_refused_in_one_line(bad, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(")):

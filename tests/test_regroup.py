@@ -23,14 +23,14 @@ CASES = {"vanilla": ({}, None),
          "eagle2": (dict(TREES["eagle2"], budget="fixed"), [0, 3, 0, 6, 8]),
          "adt_tree": (dict(TREES["adt_tree"], budget="fixed"), [0, 3, 0, 6, 8]),
          "adt_tree_chains": (dict(total_tokens=6, chain=5, costs=COSTS), None),
-         "mc_sjd": (dict(window=3), None), "sjd": (dict(window=2, init="repeat"), None)}
+         "mc_sjd": (dict(chain=4), None), "sjd": (dict(chain=2, init="repeat"), None)}
 
 
 def setup(case):
     bundle = tiny_bundle(vocab=8, grid=4, seed=1, std=0.3)
     kw, pattern = CASES[case]
     engine = build_engine(bundle, engine_config(case.replace("_chains", ""), sampling=SAMPLING, **kw))
-    if "total_tokens" in kw or case in ("eagle2", "adt_tree"):
+    if case != "vanilla":
         engine.refill = 0
         engine.planner.room = lambda st: (None, True)   # no hold from the measured width cost: the plan runs
     if case.endswith("chains"):

@@ -11,7 +11,7 @@ import torch
 
 from decoding.engines import build_engine, engine_config
 from decoding.engines.continuous import residual_sample
-from decoding.engines.jacobi import trial
+from decoding.engines.verify import trial
 from decoding.sampling import SamplingParams, Streams, exponential, filtered_probs, pcg_hash, sample, unit
 from tests.conftest import labels, tiny_bundle
 
@@ -196,7 +196,7 @@ def test_the_continuous_residual_sampler_reads_its_extreme_uniforms_safely():
 # -- the job's invariant over long runs of every engine -------------------------------------------------
 DISCRETE = [("vanilla", {}), ("eagle2", dict(total_tokens=8, depth=3, width=3, budget="fixed", chain=0)),
             ("adt_tree", dict(budget="fixed", total_tokens=8, depth=2, width=2, d_min=1, d_max=4, w_min=1, w_max=3)),
-            ("sjd", dict(window=8)), ("mc_sjd", dict(window=8)), ("mc_sjd", dict(window=8, coupling="gumbel"))]
+            ("sjd", dict(chain=8)), ("mc_sjd", dict(chain=8)), ("mc_sjd", dict(chain=8, coupling="gumbel"))]
 
 
 @pytest.fixture(scope="module")

@@ -179,7 +179,9 @@ def run_bench(cfg: DictConfig) -> dict:
     for key, bundle in bundles.items():
         costs.update({(f"{bundle.name}_{k}" if len(bundles) > 1 else k): v for k, v in forward_costs(bundle).items()})
     trees = {n: e for n, (_, e) in engines.items() if getattr(e, "costs", None) is not None}
-    ceiling = {n: round(float(e.budget.ceiling(cfg.batch_size * (2 if e.sampling.use_cfg else 1))), 3) for n, e in trees.items()}
+    # the budget that plans this engine's speculative steps: its drafter trees', or its chains' without a drafter
+    ceiling = {n: round(float((e.budget if e.trees else e.chain_budget).ceiling(
+        cfg.batch_size * (2 if e.sampling.use_cfg else 1))), 3) for n, e in trees.items()}
     return {"config": OmegaConf.to_container(cfg, resolve=True), "forward_costs": costs,
             "cost_model": next((e.costs.summary() for e in trees.values()), None),
             # the best speedup over vanilla any tree could give here, from the cost model and the

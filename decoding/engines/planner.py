@@ -118,5 +118,5 @@ class StepPlanner:
 
 
 # A chain step runs only where it costs at most this many plain steps by the cost table: it commits 4.8
-# tokens per row on average on the shapes model, so a dearer one cannot pay (docs/design.md, "Chains").
+# tokens per row on average on the shapes model, so a dearer one cannot pay (docs/design.md, "Chains and Jacobi windows").
 CHAIN_COST = 4.0

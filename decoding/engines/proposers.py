@@ -2,7 +2,7 @@
 proposes a Tree per row rooted at its last committed token, and learns from the verdict:
 
     TreeProposer   the EAGLE drafter's tree (eagle2: fixed shape; adt_tree: per-row depth and width)
-    ChainProposer  the target's own draws of its last chain step, past their accepted path (drafter-free)
+    ChainProposer  (chains.py) the target's own drafts of its last chain step (drafter-free: chains, Jacobi)
 
 `propose(st, active, n, P, plan) -> Proposal`; `learn(st, proposal, verdict, probs, n, active, m_max)`
 returns what the budget learns. Every tensor is per row; nothing loops over rows.
@@ -31,56 +31,12 @@ class Proposal:
     K: int
     kind: int
     extra: SimpleNamespace
+    law: torch.Tensor | None = None   # [B, T, V] each node's draft law (chains.py): verified by speculative sampling
 
 
 def root_tokens(log, N: int) -> torch.Tensor:
     """Each row's last committed token [B, 1] (an empty slot: any id)."""
     return log.tokens.gather(1, (log.n - 1).clamp(0, N - 1)[:, None]).clamp(min=0)
-
-
-class ChainProposer:
-    """A chain of width 1 per row: lane j drafts token n + j with the target's draw for it in the last
-    chain step (st.chain), wherever plain or tree steps since moved n, else a copy of the token one image
-    row above where it is committed, or of the last one. A draw past a prefix the path took is vanilla's
-    own next draw and passes for certain; one past a wrong prefix is a draft like any other."""
-
-    def __init__(self, engine):
-        self.e = engine
-
-    def propose(self, st, active, n, P, plan, room=None) -> Proposal:
-        """Chains of `cfg.chain` tokens (`plan`, `room`: unused; a chain's width pays for itself)."""
-        e, log, K = self.e, st.log, self.e.cfg.chain
-        lanes = torch.arange(K, device=e.device)
-        old = (lanes + (n - st.chain_at)[:, None]).clamp(max=K - 1)
-        drawn = (lanes + (n - st.chain_at)[:, None] < K) & st.chain_ok.gather(1, old)
-        t = n[:, None] + lanes
-        above = torch.where((t >= e.G) & (t - e.G < n[:, None]), t - e.G, n[:, None] - 1).clamp(0, e.N - 1)
-        chain = torch.where(drawn, st.chain.gather(1, old), log.tokens.gather(1, above).clamp(min=0))
-        k = lanes + 1
-        exists = active[:, None] & (k < e.N - n[:, None])                # node k drafts token n - 1 + k < N - 1
-        root = root_tokens(log, e.N)
-        col = torch.zeros_like(root)
-        nan = torch.full_like(root, float("nan"), dtype=torch.float32)
-        tree = Tree(tok=torch.cat([root, chain], 1), parent=torch.cat([col - 1, torch.where(exists, k - 1, -1)], 1),
-                    depth=torch.cat([col, torch.where(exists, k, 0)], 1),
-                    q=torch.cat([nan, torch.where(drawn, st.chain_q.gather(1, old), float("nan"))], 1))
-        depth = exists.sum(1)
-        return Proposal(tree, depth, (depth > 0).long(), K, Proposer.CHAIN, SimpleNamespace(exists=exists))
-
-    def learn(self, st, prop: Proposal, v, probs, n, active, m_max: int):
-        """Keep the target's draws past each row's accepted path as the next chain. Returns the mean drafts
-        a busy row accepted (None: no row was busy)."""
-        K = prop.K
-        st.pending = min(st.pending + m_max + 1, CATCH_UP_MAX)
-        src = (v.accepted[:, None] + 1 + torch.arange(K, device=self.e.device)).clamp(max=K)   # each draw's node
-        node = torch.cat([torch.zeros_like(prop.extra.exists[:, :1]), prop.extra.exists], 1)
-        st.chain_ok = (v.accepted[:, None] + 1 + torch.arange(K, device=self.e.device) <= K) & node.gather(1, src)
-        st.chain = v.drawn.gather(1, src)
-        st.chain_q = probs.gather(2, v.drawn[..., None])[..., 0].gather(1, src)
-        st.chain_at = st.log.n.clone()
-        if not bool(active.any()):
-            return None
-        return SimpleNamespace(drafts=float(v.accepted[active].float().mean()))
 
 
 class TreeProposer:

@@ -4,7 +4,8 @@ Each step of a continuous batch (scheduler.py) is plain, chain or tree, chosen f
 planner (planner.py) from the cost table and the budgets (budget.py):
 
     plain   one target forward over the roots; the target draws the next token (vanilla's step)
-    chain   proposers.ChainProposer: the target's own draws of its last chain step; no drafter
+    chain   chains.ChainProposer: the target's own drafts of its last chain step; no drafter (`sjd` and
+            `mc_sjd` are this engine with Jacobi couplings and no trees: jacobi.py)
     tree    proposers.TreeProposer: the EAGLE drafter's tree, K nodes per row chosen by the budget
 
 A speculative step is `speculate`: propose -> verify (verify.Verifier) -> commit (commit.py) -> learn.
@@ -26,7 +27,8 @@ from decoding.engines.log import TokenLog
 from decoding.engines.planner import CHAIN, PLAIN, TREE, StepPlanner
 from decoding.engines.policy import AdjacencyAdaptive, FixedShape
 from decoding.engines import proposers
-from decoding.engines.proposers import ChainProposer, TreeProposer
+from decoding.engines.chains import COUPLINGS, INITS, RACE, ChainProposer
+from decoding.engines.proposers import TreeProposer
 from decoding.engines.scheduler import SlotEngine
 from decoding.engines.state import BatchState, carried, per_cache_row, per_slot
 from decoding.engines.verify import Lantern, Verifier, codebook_neighbours, draws
@@ -36,11 +38,16 @@ from decoding.sampling import Streams, sample
 class TreeConfig(EngineConfig):
     # Most nodes a tree may have (one target forward verifies them all); EAGLE-2's reference is 60.
     total_tokens: int = 16
-    # Most tokens of a chain step (0: none): the target's own draws of the step before, past its accepted
-    # path, verified as a chain with the drafter resting (proposers.ChainProposer: drafter-free, matched
-    # like any tree, so the images stay vanilla's). Its own budget takes a chain step ahead of the drafter's
-    # tree where the cost table says it pays (docs/design.md, "Chains").
+    # Most tokens of a chain step (0: none): the target's own drafts of the step before, past its accepted
+    # path, verified as a chain with the drafter resting (chains.py: drafter-free). Its own budget takes a
+    # chain step ahead of the drafter's tree where the cost table says it pays (docs/design.md, "Chains and Jacobi windows").
     chain: int = 16
+    # How a chain step's forward becomes the next chain (chains.py): race (the target's draws, matched:
+    # vanilla's tokens) | fresh (sjd) | maximal, gumbel (mc_sjd) (speculative sampling: lossless, not vanilla's tokens)
+    coupling: str = RACE
+    # Chain positions the last step did not reach: above (copy the token one image row up) | repeat (copy the
+    # left neighbour, SJD's spatial prior) | random (a uniformly random token)
+    init: str = "above"
     # auto: each step verifies the number of nodes (0 = a plain step) that maximises expected tokens per
     # second for the batch, from the device's cost table (budget.py); fixed: total_tokens.
     budget: str = "auto"
@@ -66,9 +73,16 @@ class TreeConfig(EngineConfig):
                 raise ValueError(f"engine.{key}={getattr(self, key)}: must be >= 1")
         if self.chain < 0:
             raise ValueError(f"engine.chain={self.chain}: must be >= 0 (0: no chain steps)")
-        if self.total_tokens < (0 if self.chain else 1):
-            raise ValueError(f"engine.total_tokens={self.total_tokens}: must be >= 1 (0, no drafter trees, only with "
-                             f"engine.chain >= 1)")
+        if self.total_tokens < 0 or (self.total_tokens == 0 and self.chain == 0):
+            raise ValueError(f"engine.chain={self.chain}, engine.total_tokens={self.total_tokens}: nothing to "
+                             f"verify; set engine.chain >= 1 (drafts a chain step verifies) or engine.total_tokens >= 1")
+        if self.coupling not in COUPLINGS:
+            raise ValueError(f"engine.coupling={self.coupling!r}: use one of {', '.join(COUPLINGS)}")
+        if self.init not in INITS:
+            raise ValueError(f"engine.init={self.init!r}: use one of {', '.join(INITS)}")
+        if self.acceptance == "lantern" and self.coupling != RACE:
+            raise ValueError(f"engine.acceptance=lantern relaxes matched drafts; engine.coupling={self.coupling} "
+                             f"verifies by speculative sampling: use engine.coupling={RACE} or acceptance=exact")
 
 
 @dataclass
@@ -113,7 +127,8 @@ class TreeState(BatchState):
     chain_ok: torch.Tensor = per_slot(default=None)
     chain_q: torch.Tensor = per_slot(default=None)
     chain_at: torch.Tensor = per_slot(default=None)               # [slots]
-    step: int = carried(default=0)                                # the step clock (the log's step column)
+    chain_law: torch.Tensor = per_slot(default=None)              # [slots, chain, V] their laws (Jacobi couplings)
+    it: torch.Tensor = per_slot(default=None)                     # [slots] steps the row took (the log's step)
     pending: int = carried(default=0)                             # most pairs a row's drafter lags by
     quiet: int = 0                                                # plain steps left that need no plan
     budgets: list = field(default_factory=list)                   # the budgets that plan at this R
@@ -194,6 +209,8 @@ class TreeEngine(SlotEngine):
             feats=zeros(R, N + 1, self.gpt.args.dim, dtype=dt), dfeat=zeros(R, self.gpt.args.dim, dtype=dt),
             dn=zeros(slots, dtype=torch.long), chain=zeros(slots, K, dtype=torch.long),
             chain_ok=zeros(slots, K, dtype=torch.bool), chain_q=zeros(slots, K), chain_at=zeros(slots, dtype=torch.long),
+            chain_law=zeros(slots, K, self.gpt.args.vocab_size) if self.cfg.coupling != RACE else None,
+            it=zeros(slots, dtype=torch.long),
             budgets=([self.budget] if self.trees else []) + ([self.chain_budget] if self.planner.chains_pay(R) else []))
 
     def admit(self, st, rows, cond, seeds):
@@ -202,6 +219,7 @@ class TreeEngine(SlotEngine):
         log.reset(rows)
         st.streams.reseed(rows, seeds)
         st.keys[rows] = draws(st.streams, self.N)[rows]
+        st.it[rows] = 0
         st.policy.reset(rows)
         for b in (self.budget, self.chain_budget):
             if b is not None:
@@ -222,7 +240,7 @@ class TreeEngine(SlotEngine):
         active = st.log.n < self.N
         quiet = st.quiet > 0
         kind, size, room = self.planner.choose(st, active)
-        st.step += 1
+        st.it = st.it + active.long()
         if kind == PLAIN:
             self.plain(st, active)
             st.pending = min(st.pending + 1, proposers.CATCH_UP_MAX)
@@ -247,7 +265,7 @@ class TreeEngine(SlotEngine):
             x = sample(probs, st.keys.gather(1, log.n.clamp(max=N - 1)[:, None])[:, 0])
             count = active.long()
             put_rows(st.feats, self.rows(last), f)      # a finished row writes its last slot, which no one reads
-            log.commit(count, token_id=x, p_target=probs.gather(1, x[:, None])[:, 0], step=st.step, accept_len=1)
+            log.commit(count, token_id=x, p_target=probs.gather(1, x[:, None])[:, 0], step=st.it, accept_len=1)
             log.target_forwards += count
 
     def speculate(self, st, active, kind: str, plan: int, **propose):

@@ -15,6 +15,13 @@ neighbours (nearest first) whose remaining mass fits in the node's budget δ; si
 order, each from the mass the earlier ones left, and spend what they claim. The first child whose set
 holds the target's draw is accepted (the draft replaces the draw), so x_j is output with probability
 p(x_j) + its neighbours' mass: each token's distribution moves by at most δ (total variation).
+
+Speculative sampling (`verify_chain`, chains whose drafts have a known law q: the Jacobi couplings of
+proposers.py). Node j passes with probability min(1, p(x_j)/q(x_j)), the path is the leading passes, and
+after it the token comes from norm(max(p - q, 0)) (a failed node) or from p (the chain's end). Every
+committed token then has law p whatever q was (the drafts are not vanilla's draws, so the bytes are
+not vanilla's), and each node's test and residual are computed whether or not the path reached it: a
+maximal coupling reads them past the first rejection.
 """
 from __future__ import annotations
 
@@ -24,7 +31,9 @@ from functools import cached_property
 import torch
 
 from decoding.engines.base import visible
-from decoding.sampling import SAMPLE, Streams, sample
+from decoding.sampling import ACCEPT, SAMPLE, Streams, sample
+
+RESIDUAL_FLOOR = 1e-6   # a residual max(p - q, 0) with less mass than this is rounding: draw from p
 
 
 @dataclass
@@ -72,6 +81,7 @@ class Verdict:
     p_node: torch.Tensor    # [B, T] target probability of each node's token at its parent
     p_bonus: torch.Tensor   # [B] target probability of the bonus token
     drawn: torch.Tensor     # [B, T] the target's draw after each node (its next token, if the path ends there)
+    passed: torch.Tensor | None = None   # [B, T] each node's own test (speculative sampling: verify_chain)
 
 
 def draws(streams: Streams, N: int) -> torch.Tensor:
@@ -104,6 +114,41 @@ def verify(tree: Tree, probs: torch.Tensor, keys: torch.Tensor, lantern=None) ->
     p_node = probs.flatten(1).gather(1, parent * V + tree.tok)
     p_bonus = probs.flatten(1).gather(1, (last * V + bonus)[:, None])[:, 0]
     return Verdict(on_path, on_path.sum(1), last, bonus, p_node, p_bonus, x)
+
+
+def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """max(p - q, 0) over [..., V] (unnormalised; `sample` normalises). Where it has (almost) no mass,
+    p and q agree up to rounding and a rejection there is rounding too: draw from p."""
+    r = (p - q).clamp(min=0)
+    return torch.where(r.sum(-1, keepdim=True) > RESIDUAL_FLOOR, r, p)
+
+
+def trial(p: torch.Tensor, q: torch.Tensor, x: torch.Tensor, u: torch.Tensor, key_res: torch.Tensor):
+    """Speculative sampling at every lane at once: p, q [B, W, V], drafts x [B, W], uniforms u and the
+    residual draws' keys key_res [B, W]. Returns (passed [B, W], with probability min(1, p(x)/q(x)); the
+    residual draw [B, W] from norm(max(p - q, 0)), the token a lane gets when its draft does not pass).
+    A draft with p(x) >= q(x) passes without reading u, and one with p(x) = 0 never does: no rounding of
+    u q(x) can turn either around."""
+    px, qx = p.gather(-1, x[..., None])[..., 0], q.gather(-1, x[..., None])[..., 0]
+    return (px > 0) & ((px >= qx) | (u * qx < px)), sample(residual(p, q), key_res)
+
+
+def verify_chain(tree: Tree, probs: torch.Tensor, law: torch.Tensor, u: torch.Tensor, keys: torch.Tensor) -> Verdict:
+    """A chain (node j's parent is j - 1, drafted nodes a prefix) whose node j was drawn from law[:, j]
+    [B, T, V] (index 0 unused), by speculative sampling (module docstring). u [B, T]: node j's uniform;
+    keys [B, T]: the key of the token drawn after block j if the path ends there."""
+    B, T, V = probs.shape
+    node = tree.node
+    passed, fix = trial(probs[:, :-1], law[:, 1:], tree.tok[:, 1:], u[:, 1:], keys[:, :-1])
+    passed = torch.cat([torch.zeros_like(node[:, :1]), passed & node[:, 1:]], 1)
+    nxt = torch.cat([node[:, 1:], torch.zeros_like(node[:, :1])], 1)       # block j has a drafted successor
+    drawn = torch.where(nxt, torch.cat([fix, fix[:, :1]], 1), sample(probs, keys))
+    on_path = torch.cat([passed[:, :1], passed[:, 1:].long().cummin(1).values.bool()], 1)
+    m = on_path.sum(1)
+    bonus = drawn.gather(1, m[:, None])[:, 0]
+    p_node = probs.flatten(1).gather(1, tree.parent.clamp(min=0) * V + tree.tok)
+    p_bonus = probs.flatten(1).gather(1, (m * V + bonus)[:, None])[:, 0]
+    return Verdict(on_path, m, m, bonus, p_node, p_bonus, drawn, passed)
 
 
 class Lantern:
@@ -176,8 +221,13 @@ class Verifier:
         """The verdict on `prop`'s trees, written to the log at each token's position. Returns (verdict,
         the block indices of [root, path nodes in depth order] [B, T + 1], past a row's path 0)."""
         tree, log, N = prop.tree, st.log, self.e.N
-        v = verify(tree, probs, node_keys(st.keys, n, tree), self.lantern)
         B, T = tree.tok.shape
+        if prop.law is None:                                              # matched against the target's draws
+            v = verify(tree, probs, node_keys(st.keys, n, tree), self.lantern)
+        else:                                                             # speculative sampling, keyed per row step
+            at = n[:, None] + torch.arange(T, device=probs.device)       # the token drawn after block j
+            v = verify_chain(tree, probs, prop.law, st.streams.uniform(ACCEPT, at - 1, st.it[:, None]),
+                             st.streams.bits(SAMPLE, at, st.it[:, None]))
         k = v.on_path.long().cumsum(1) - 1                                # place in the path
         pos = torch.cat([torch.where(v.on_path, n[:, None] + k, N), (n + v.accepted)[:, None]], 1)
         count = torch.where(active, v.accepted + 1, 0)
@@ -185,7 +235,7 @@ class Verifier:
         log.write(torch.where(active[:, None], pos, N), token_id=torch.cat([tree.tok, v.bonus[:, None]], 1),
                   accepted=torch.cat([v.on_path, torch.zeros_like(v.on_path[:, :1])], 1),
                   p_target=torch.cat([v.p_node, v.p_bonus[:, None]], 1), q_draft=torch.cat([tree.q, nan], 1),
-                  step=st.step, accept_len=count, tree_depth=prop.d, tree_width=prop.w, budget=prop.K,
+                  step=st.it, accept_len=count, tree_depth=prop.d, tree_width=prop.w, budget=prop.K,
                   proposer=prop.kind)
         log.n += count
         log.target_forwards += active.long()
