@@ -118,7 +118,7 @@ class ChainProposer:
             q = torch.where(drawn, st.chain_q.gather(1, old), float("nan"))
         tree = Tree(tok=torch.cat([root, chain], 1), parent=torch.cat([col - 1, torch.where(exists, k - 1, -1)], 1),
                     depth=torch.cat([col, torch.where(exists, k, 0)], 1),
-                    q=torch.cat([torch.full_like(q[:, :1], float("nan")), q], 1))
+                    q=torch.cat([torch.full_like(q[:, :1], float("nan")), q], 1), chain=True)
         depth = exists.sum(1)
         return Proposal(tree, depth, (depth > 0).long(), K, Proposer.JACOBI if self.trial else Proposer.CHAIN,
                         SimpleNamespace(exists=exists), law)

@@ -264,7 +264,8 @@ class TreeEngine(SlotEngine):
         with log.phase("accept"):
             x = sample(probs, st.keys.gather(1, log.n.clamp(max=N - 1)[:, None])[:, 0])
             count = active.long()
-            put_rows(st.feats, self.rows(last), f)      # a finished row writes its last slot, which no one reads
+            if st.draft is not None:                    # a finished row writes its last slot, which no one reads
+                put_rows(st.feats, self.rows(last), f)
             log.commit(count, token_id=x, p_target=probs.gather(1, x[:, None])[:, 0], step=st.it, accept_len=1)
             log.target_forwards += count
 
@@ -281,7 +282,7 @@ class TreeEngine(SlotEngine):
         with log.phase("accept"):
             v, path = self.verifier.accept(st, prop, probs, n, active)
         with log.phase("commit"):
-            m_max = commit(self, st, feats, path, v.accepted, P, n, active)
+            m_max = commit(self, st, feats, path, v.accepted, P, n, active, in_place=prop.tree.chain)
         return proposer.learn(st, prop, v, probs, n, active, m_max)
 
 

@@ -46,6 +46,7 @@ class Tree:
     depth: torch.Tensor     # [B, T] 0 for the root and padding
     q: torch.Tensor         # [B, T] draft probability of each node's token (root: NaN)
     score: torch.Tensor | None = None   # [B, T] cumulative draft log-probability of each node's path
+    chain: bool = False     # node j's parent is j - 1 (drafted nodes a prefix): the accepted path stays in place
 
     @property
     def node(self) -> torch.Tensor:
@@ -56,6 +57,9 @@ class Tree:
     def ancestors(self) -> torch.Tensor:
         """[B, T, T] bool: i is j's ancestor or j itself, drafted nodes only (the root is no one's)."""
         B, T = self.tok.shape
+        if self.chain:                                # every earlier drafted node: one mask, no walk
+            idx = torch.arange(T, device=self.tok.device)
+            return (idx[None, :] <= idx[:, None]) & self.node[:, :, None] & self.node[:, None, :]
         eye = torch.eye(T, dtype=torch.bool, device=self.tok.device).expand(B, T, T) & self.node[:, :, None]
         anc = eye
         rows = self.parent.clamp(min=0)[..., None].expand(-1, -1, T)
