@@ -28,7 +28,7 @@ class Column:
 STORED = (
     Column("token_id", "int32", -1, "code index (discrete models; null for continuous tokens)", null=-1),
     Column("cell", "int32", -1, "grid cell, raster index (row * grid + col); raster order unless committed"),
-    Column("step", "int32", 0, "engine step (verification, Jacobi iteration, MAR step) that committed it"),
+    Column("step", "int32", 0, "the image's own engine step (verification, Jacobi iteration, MAR step) that committed it"),
     Column("accepted", "bool", 0, "drafted and accepted by the target, vs produced by the target itself"),
     Column("accept_len", "int32", 0, "tokens committed by its step"),
     Column("p_target", "float32", np.nan, "target probability of the committed token"),
