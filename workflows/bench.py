@@ -179,9 +179,15 @@ def run_bench(cfg: DictConfig) -> dict:
     for key, bundle in bundles.items():
         costs.update({(f"{bundle.name}_{k}" if len(bundles) > 1 else k): v for k, v in forward_costs(bundle).items()})
     trees = {n: e for n, (_, e) in engines.items() if getattr(e, "costs", None) is not None}
-    # the budget that plans this engine's speculative steps: its drafter trees', or its chains' without a drafter
-    ceiling = {n: round(float((e.budget if e.trees else e.chain_budget).ceiling(
-        cfg.batch_size * (2 if e.sampling.use_cfg else 1))), 3) for n, e in trees.items()}
+
+    def ceiling(n: str, e) -> float:
+        """A tree engine's: its budget's (the acceptance it learnt). Without a drafter, chain steps only:
+        this run's τ at the cost table's price of a chain forward against a plain one (no overhead)."""
+        R = cfg.batch_size * (2 if e.sampling.use_cfg else 1)
+        if e.trees:
+            return e.budget.ceiling(R)
+        return float(np.mean([r["tau"] for r in rows[n]])) * e.costs.target(R, 1) / e.costs.target(R, 1 + e.cfg.chain)
+    ceiling = {n: round(ceiling(n, e), 3) for n, e in trees.items()}
     return {"config": OmegaConf.to_container(cfg, resolve=True), "forward_costs": costs,
             "cost_model": next((e.costs.summary() for e in trees.values()), None),
             # the best speedup over vanilla any tree could give here, from the cost model and the
