@@ -40,10 +40,11 @@ class TreeConfig(EngineConfig):
     total_tokens: int = 16
     # Most tokens of a chain step (0: none): the target's own drafts of the step before, past its accepted
     # path, verified as a chain with the drafter resting (chains.py: drafter-free). Its own budget takes a
-    # chain step ahead of the drafter's tree where the cost table says it pays (docs/design.md, "Chains and Jacobi windows").
+    # chain step ahead of the drafter's tree where the cost table says it pays (docs/design.md, "Chains and
+    # Jacobi windows").
     chain: int = 16
     # How a chain step's forward becomes the next chain (chains.py): race (the target's draws, matched:
-    # vanilla's tokens) | fresh (sjd) | maximal, gumbel (mc_sjd) (speculative sampling: lossless, not vanilla's tokens)
+    # vanilla's tokens) | fresh (sjd) | maximal, gumbel (mc_sjd) (speculative sampling: lossless, other tokens)
     coupling: str = RACE
     # Chain positions the last step did not reach: above (copy the token one image row up) | repeat (copy the
     # left neighbour, SJD's spatial prior) | random (a uniformly random token)
