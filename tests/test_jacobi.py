@@ -23,7 +23,7 @@ import decoding.engines.verify as verify
 import tests.test_lossless as lossless
 from decoding.engines import build_engine, engine_config
 from decoding.sampling import sample
-from tests.conftest import labels, tiny_bundle
+from tests.conftest import COSTS, labels, tiny_bundle
 from tests.test_oracle import B, SAMPLING, conditions, oracle
 
 # windows shorter than the image: drafts are carried, coupled and shifted over several iterations, and
@@ -66,6 +66,53 @@ def pvalue(monkeypatch, bundle, exact, sampling, variant) -> float:
 def test_jacobi_samples_the_vanilla_distribution(wide, variant, monkeypatch):
     bundle, sampling, exact = wide
     assert pvalue(monkeypatch, bundle, exact, sampling, variant) > 1e-3
+
+
+def test_jacobi_windows_beside_drafter_trees_sample_the_vanilla_distribution(wide, monkeypatch):
+    """mc_sjd with a drafter: Jacobi windows, drafter trees (matched with vanilla's keys) and plain steps in
+    one stream, in a fixed mix (tests/test_chain.py's `mixed`, nothing from the clock)."""
+    from tests.test_chain import mixed
+    bundle, sampling, exact = wide
+    build, kinds = lossless.build_engine, set()
+
+    def mixing(b, cfg):
+        engine = build(b, cfg)
+        mixed(engine, [1, 0, 1, 0, 0], [0, 3])
+        generate = engine.generate
+        engine.generate = lambda *a: [kinds.update(r.records["proposer"].tolist()) or r for r in generate(*a)]
+        return engine
+    monkeypatch.setattr(lossless, "build_engine", mixing)
+    monkeypatch.setitem(lossless.ENGINES, "mc_sjd-trees", dict(chain=3, total_tokens=3, depth=2, width=2, budget="auto", costs=COSTS))
+    assert lossless.sample_pvalue(bundle, exact, sampling, "mc_sjd-trees") > 1e-3
+    assert kinds == {0, 2, 3}                                  # plain, tree and Jacobi steps all ran
+
+
+def test_a_carried_draft_keeps_its_law_when_plain_and_tree_steps_move_the_row():
+    """After plain and tree steps moved a row's n, each draft a Jacobi window carries is scored with the
+    distribution the last Jacobi step computed for its token (that step's probs at the token's block)."""
+    from tests.test_chain import mixed
+    bundle = tokens_only(tiny_bundle(vocab=8, grid=4, seed=1, std=0.3))
+    engine = build_engine(bundle, engine_config("mc_sjd", sampling=SAMPLING, chain=4, total_tokens=3, depth=2, width=2,
+                                                budget="auto", costs=COSTS))
+    mixed(engine, [1, 0, 1, 0, 0], [0, 3])
+    engine.regroups = False
+    steps, accept = [], engine.verifier.accept
+
+    def spy(st, prop, probs, n, active):
+        if prop.law is not None:
+            steps.append((n.clone(), prop.tree.node.clone(), prop.law.clone(), probs.clone()))
+        return accept(st, prop, probs, n, active)
+    engine.verifier.accept = spy
+    engine.generate(labels(B), list(range(B)))
+    checked = 0
+    for (n0, node0, _, p0), (n1, node1, law1, _) in zip(steps, steps[1:]):
+        for b in range(B):
+            for j in range(1, law1.shape[1]):
+                i = int(n1[b]) + j - 1 - int(n0[b])          # the token's block in the step before
+                if node1[b, j] and 1 <= i < p0.shape[1] and node0[b, i] and int(n1[b]) > int(n0[b]) + 1:
+                    assert torch.equal(law1[b, j], p0[b, i]), (b, j, i)
+                    checked += 1
+    assert checked > 20
 
 
 # -- wrong rules the statistical test must reject -------------------------------------------------------
