@@ -98,8 +98,9 @@ class ChainProposer:
         """Chains of `cfg.chain` tokens (`plan`, `room`: unused; a chain's width pays for itself)."""
         e, K = self.e, self.e.cfg.chain
         lanes = torch.arange(K, device=e.device)
-        old = (lanes + (n - st.chain_at)[:, None]).clamp(max=K - 1)
-        drawn = (lanes + (n - st.chain_at)[:, None] < K) & st.chain_ok.gather(1, old)
+        at = lanes + (n - st.chain_at)[:, None]                          # each lane's place in the last chain
+        old = at.clamp(max=K - 1)
+        drawn = (at < K) & st.chain_ok.gather(1, old)
         prev = st.chain.gather(1, old)
         new, copy = fill(self.init, e, st, n, drawn, prev)
         chain = torch.where(drawn, prev, new)
@@ -129,13 +130,15 @@ class ChainProposer:
         K, dev = prop.K, self.e.device
         st.pending = min(st.pending + m_max + 1, CATCH_UP_MAX)
         nxt = self.carry(st, prop.tree, v, probs, n[:, None] + torch.arange(K + 1, device=dev))
-        src = (v.accepted[:, None] + 1 + torch.arange(K, device=dev)).clamp(max=K)   # the block before each lane
+        block = v.accepted[:, None] + 1 + torch.arange(K, device=dev)   # the block before each next lane
+        src = block.clamp(max=K)
         node = torch.cat([torch.zeros_like(prop.extra.exists[:, :1]), prop.extra.exists], 1)
-        st.chain_ok = (v.accepted[:, None] + 1 + torch.arange(K, device=dev) <= K) & node.gather(1, src)
+        st.chain_ok = (block <= K) & node.gather(1, src)
         st.chain = nxt.gather(1, src)
         if self.trial:                                                   # q := p, kept or redrawn
             st.chain_law = probs.gather(1, src[..., None].expand(-1, -1, probs.shape[-1]))
-        st.chain_q = probs.gather(2, nxt[..., None])[..., 0].gather(1, src)
+        else:                                                            # (a law's q is read from the law)
+            st.chain_q = probs.gather(2, nxt[..., None])[..., 0].gather(1, src)
         st.chain_at = st.log.n.clone()
         if not bool(active.any()):
             return None
