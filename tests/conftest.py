@@ -123,6 +123,19 @@ def ray_cluster():
     cluster.shutdown()
 
 
+@pytest.fixture
+def after_parts(monkeypatch):
+    """`after_parts(n, action)`: tests/faults.py's hook in this process (action() right after the driver
+    records its n-th part), undone when the test ends."""
+    import actors.pool
+    from tests import faults
+
+    def arm(n: int, action) -> None:
+        monkeypatch.setattr(actors.pool, "_record", actors.pool._record)    # restored at teardown
+        faults.after_parts(n, action)
+    return arm
+
+
 @pytest.fixture(scope="session")
 def s3_server(tmp_path_factory):
     """A real S3 server (SeaweedFS, tests/seaweed.py) for the object-store tests, stopped by its PID at the end."""

@@ -6,8 +6,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
-import time
 from pathlib import Path
 
 import pandas as pd
@@ -133,20 +131,7 @@ def _generator_pids() -> list[int]:
     return pids
 
 
-def _when_parts(out: Path, n: int, action, timeout: float = 120):
-    def watch():
-        t0 = time.time()
-        while time.time() - t0 < timeout:
-            if len(list((out / "images").glob("*.parquet"))) >= n:
-                action()
-                return
-            time.sleep(0.05)
-    th = threading.Thread(target=watch, daemon=True)
-    th.start()
-    return th
-
-
-def test_killed_actor_is_replaced_and_its_batch_retried(ray_cluster, tiny_weights, tmp_path):
+def test_killed_actor_is_replaced_and_its_batch_retried(ray_cluster, tiny_weights, tmp_path, after_parts):
     out = tmp_path / "run"
     killed = []
 
@@ -155,10 +140,9 @@ def test_killed_actor_is_replaced_and_its_batch_retried(ray_cluster, tiny_weight
         if pids:
             os.kill(pids[0], signal.SIGKILL)
             killed.append(pids[0])
-    th = _when_parts(out, 2, kill)
+    after_parts(2, kill)
     summary = job(*base(tiny_weights, out, "data.limit=40", "cluster.batch_size=2", "cluster.num_actors=2",
                         "engine=eagle2"))
-    th.join()
     assert killed, "no actor was killed"
     df = images(out)
     assert summary["errors"] == 0 and len(df) == 40 and df.prompt_id.is_unique
@@ -219,13 +203,11 @@ def test_a_first_run_on_a_private_ray_is_quiet_and_writes_no_empty_errors_file(t
 def test_killed_driver_resumes_with_no_duplicates_and_identical_bytes(ray_cluster, tiny_weights, tmp_path):
     args = [f"model.weights_dir={tiny_weights}", *TINY, "data.limit=30", "cluster.batch_size=2",
             f"cluster.address={ray_cluster.address}", "engine=adt_tree"]
-    proc = subprocess.Popen([sys.executable, "-m", "workflows.generate", *args, f"out_dir={tmp_path / 'cut'}"],
-                            cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    t0 = time.time()
-    while len(list((tmp_path / "cut" / "images").glob("*.parquet"))) < 3 and time.time() - t0 < 180:
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    # SIGKILLed right after its 3rd part is recorded; the actors die with it, their in-flight parts
+    # (at most 2 per actor, 4 actors here) written or not
+    cut = subprocess.run([sys.executable, "-m", "tests.faults", "3", *args, f"out_dir={tmp_path / 'cut'}"],
+                         cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, timeout=300)
+    assert cut.returncode == -signal.SIGKILL, cut.stderr[-3000:]
     partial = len(list((tmp_path / "cut" / "images").glob("*.parquet")))
     assert 3 <= partial < 15, "the driver was not killed mid-job"
     assert _cli(*args, f"out_dir={tmp_path / 'cut'}").returncode == 0
