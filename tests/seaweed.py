@@ -36,9 +36,13 @@ def _free_port_pair() -> int:
 class Seaweed:
     def __init__(self, root: Path):
         self.root, self.proc = root, None
-        self.ports = {}
-        while len(set(self.ports.values())) < len(SERVICES):
-            self.ports = {s: _free_port_pair() for s in SERVICES}
+        self.ports, taken = {}, set()
+        for service in SERVICES:    # no port may be another service's gRPC port (weed refuses to start)
+            p = _free_port_pair()
+            while not taken.isdisjoint({p, p + 10000}):
+                p = _free_port_pair()
+            self.ports[service] = p
+            taken |= {p, p + 10000}
         self.endpoint = f"http://127.0.0.1:{self.ports['s3']}"
         (root / "data").mkdir(parents=True, exist_ok=True)
         self.config = root / "s3.json"
