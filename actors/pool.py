@@ -72,7 +72,7 @@ def _error_part(out_dir: Path, part: str, items: list[dict], engine: str, reason
                       error_messages=[reason] * len(items), files=files)
 
 
-def _record(out_dir: Path, res: PartResult, token=None) -> None:
+def record_part(out_dir: Path, res: PartResult, token=None) -> None:
     """The part's manifest line, with its files' sizes, rows and checksums (read back if not reported),
     while the job holds its lock (`token`, output.check_lock)."""
     check_lock(out_dir, token)
@@ -224,7 +224,7 @@ def run_batches(cfg, out_dir: Path, batches, progress, placements: list, stop=No
             res = _error_part(out_dir, part, items, cfg.engine.name, reason, token)
         attempts.pop(part, None)
         solo.discard(part)
-        _record(out_dir, res, token)
+        record_part(out_dir, res, token)
         progress.update(res)
         submit(a)
     if stop:

@@ -131,7 +131,7 @@ def after_parts(monkeypatch):
     from tests import faults
 
     def arm(n: int, action) -> None:
-        monkeypatch.setattr(actors.pool, "_record", actors.pool._record)    # restored at teardown
+        monkeypatch.setattr(actors.pool, "record_part", actors.pool.record_part)    # restored at teardown
         faults.after_parts(n, action)
     return arm
 

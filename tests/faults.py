@@ -1,6 +1,6 @@
 """Faults at a fixed point of a job: right after the driver records its n-th committed part
-(actors/pool.py `_record`). A watcher thread that polls the out_dir for parts raced the job: on a fast
-machine all 15 parts of a test job were written between two looks, and "killed mid-job" was not.
+(actors/pool.py `record_part`), so that a test's fault lands mid-job on any machine (a thread polling the
+out_dir for parts can look only after a fast machine wrote them all).
 
 `python -m tests.faults N ARGS...` runs `python -m workflows.generate ARGS...` and SIGKILLs that driver
 right after its N-th part is recorded, as a crash or an OOM kill would end it."""
@@ -12,16 +12,16 @@ import sys
 
 
 def after_parts(n: int, action) -> None:
-    """Call `action()` in the driver right after its n-th part is recorded (the real `_record` runs first)."""
+    """Call `action()` in the driver right after its n-th part is recorded (the real one runs first)."""
     import actors.pool
-    record, seen = actors.pool._record, []
+    record, seen = actors.pool.record_part, []
 
-    def _record(*args, **kwargs):
+    def recorded(*args, **kwargs):
         record(*args, **kwargs)
         seen.append(1)
         if len(seen) == n:
             action()
-    actors.pool._record = _record
+    actors.pool.record_part = recorded
 
 
 if __name__ == "__main__":

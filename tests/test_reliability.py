@@ -27,7 +27,7 @@ from hydra import compose, initialize_config_dir
 
 import actors.output as output
 from actors.generator import Generator
-from actors.pool import _record, part_name
+from actors.pool import record_part, part_name
 from decoding.sampling import prompt_seed
 from tests.conftest import REPO
 from tests.test_job import TINY, image_bytes, images, job
@@ -118,7 +118,7 @@ def crash_at_each_point(gen, out, items: list[dict], n: int, fault) -> None:
         try:
             res = gen.run(part_name(batch), batch)
             fault(point if point != "ok" else None)
-            _record(out, res)
+            record_part(out, res)
         except Crash as e:
             assert str(e) == point
     fault(None)
@@ -164,7 +164,7 @@ def test_crash_writing_job_json_or_the_manifest_then_rerun_is_exact(reference, t
             gen = Generator(c, str(out))
             torch.set_num_threads(threads)
             for batch in (items[0:2], items[2:4]):
-                _record(out, gen.run(part_name(batch), batch))
+                record_part(out, gen.run(part_name(batch), batch))
         fault(point)
         with pytest.raises(Crash, match=point):
             job(*args(tiny_weights, out, n, "cluster.batch_size=2"))
@@ -204,7 +204,7 @@ def test_damaged_parts_are_quarantined_and_regenerated(reference, tiny_weights, 
     torch.set_num_threads(threads)
     repeats = part_name(dup)                            # its positions lie inside parts[3]'s
     res = gen.run(repeats, dup)
-    _record(out, res)
+    record_part(out, res)
 
     # (3 runs: a corrupt page read on pyarrow's thread pool aborted the process at exit in 7 of 12 runs)
     for _ in range(3):
@@ -704,12 +704,12 @@ def test_a_job_whose_lock_was_taken_over_commits_nothing_more(reference, tiny_we
         torch.set_num_threads(threads)
         items = pending_items(c)
         res = gen.run(part_name(items[:2]), items[:2])                # holds the lock: committed
-        _record(out, res, lock.me["token"])
+        record_part(out, res, lock.me["token"])
         (out / "job.lock").write_text(json.dumps({**lock.me, "token": "the-new-owner"}))
         with pytest.raises(output.LockLost, match=f"another job took over out_dir={out}"):
             gen.run(part_name(items[2:]), items[2:])
         with pytest.raises(output.LockLost):
-            _record(out, res, lock.me["token"])
+            record_part(out, res, lock.me["token"])
     finally:
         lock.release()
     assert sorted(f.stem for t in output.TABLES for f in (out / t).glob("*.parquet")) == [res.part] * 2   # no errors file
