@@ -385,15 +385,17 @@ def test_what_a_writer_killed_mid_part_leaves_is_removed_when_the_job_ends(refer
     but a job that completes must not leave them in the data set it hands over. They are planted here
     mid-job, after the job's start-up cleaning: without the cleaning at the end, assert_exact fails."""
     out, n = tmp_path / "run", 12
+    planted = []
 
     def plant():
         tokens = out / "tokens"
         orphan = tokens / "part-0000009990-0000009992-0123456789abcdef.parquet"
         shutil.copy(next(tokens.glob("part-*.parquet")), orphan)
         (tokens / f".{orphan.name}.4242.deadbeef.tmp").write_bytes(b"PAR1 torn")
+        planted.append(orphan)
     after_parts(1, plant)
     job(*args(tiny_weights, out, n, "cluster.batch_size=2", "cluster.num_actors=1"))
-    assert (out / "tokens").exists()
+    assert planted, "the leftovers were not planted mid-job"
     assert_exact(out, reference, n)
 
 
