@@ -20,8 +20,10 @@ import torch.nn.functional as F
 
 
 def available() -> bool:
-    """oneDNN and its packed linear op in this torch build."""
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    """oneDNN's packed linear op in this torch build, and a CPU its bf16 path runs on (AVX512 BW/VL/DQ or
+    AVX-NE-CONVERT: on an AVX2-only CPU the reorder raises, and plain bf16 `F.linear` still works)."""
+    return (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+            and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 class _Packed:
@@ -54,7 +56,7 @@ class PackedLinear(nn.Linear):
 
 def pack_linears(module: nn.Module) -> nn.Module:
     """Make every bf16 CPU `nn.Linear` in `module` a `PackedLinear` (in place; returns `module`). A no-op
-    where this torch has no oneDNN."""
+    where oneDNN's bf16 path is not `available()`."""
     if not available():
         return module
     for m in module.modules():
