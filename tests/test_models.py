@@ -188,7 +188,7 @@ def test_bf16_bundle_computes_what_the_fp32_one_does(tiny_weights):
         assert r[0].image.shape == (8, 8, 3) and len(r[1].tokens) == 16
 
 
-@pytest.mark.skipif(not packed.available(), reason="this torch has no oneDNN")
+@pytest.mark.skipif(not packed.available(), reason="no oneDNN bf16 path on this torch and CPU")
 def test_packed_bf16_linears_compute_what_plain_ones_do_and_follow_their_weights():
     """A bf16 model's linear layers packed for oneDNN (models/packed.py) give the plain bf16 results bit
     for bit, at every row count a step has; a weight changed in place is packed again, copies pack their
