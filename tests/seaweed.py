@@ -72,13 +72,22 @@ class Seaweed:
         t0 = time.time()
         while True:
             try:
-                client.list_buckets()
+                self._read_one_object_per_bucket(client)
                 return
             except Exception:
                 if self.proc.poll() is not None or time.time() - t0 > timeout_s:
                     self.stop()
                     raise RuntimeError(f"SeaweedFS did not start; see {self.root / 'weed.log'}")
                 time.sleep(0.3)
+
+    @staticmethod
+    def _read_one_object_per_bucket(client) -> None:
+        """Raise unless the store serves reads: the S3 gateway answers a listing before the volume server
+        that holds the data has registered, and a GET then fails half-way (INTERNAL_FAILURE)."""
+        for bucket in client.list_buckets().get("Buckets", []):
+            listed = client.list_objects_v2(Bucket=bucket["Name"], MaxKeys=1).get("Contents", [])
+            for o in listed:
+                client.get_object(Bucket=bucket["Name"], Key=o["Key"])["Body"].read()
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
