@@ -70,7 +70,7 @@ def sample_pvalue(bundle, exact: dict, sampling: dict, variant: str, seed0: int 
     engine = build_engine(bundle, engine_config(name, sampling=sampling, **ENGINES[variant]))
     counts = {}
     for start in range(seed0, seed0 + N_SAMPLES, CHUNK):   # a chunk at a time: an impossible sequence fails fast
-        for r in engine.generate(labels(CHUNK), list(range(start, start + CHUNK))):
+        for r in engine.generate(labels(CHUNK), list(range(start, start + CHUNK)), images=False):
             counts[tuple(r.tokens.tolist())] = counts.get(tuple(r.tokens.tolist()), 0) + 1
         assert all(exact.get(s, 0) > 0 for s in counts), "an engine produced a sequence vanilla never samples"
     support = sorted((s for s in exact if exact[s] > 0), key=lambda s: -exact[s])
@@ -156,7 +156,8 @@ def test_image_does_not_depend_on_its_batch(variant):
     engine = build_engine(tiny_bundle(**w["bundle"]), engine_config(variant.partition("-")[0], sampling=w["sampling"],
                                                                    **ENGINES[variant]))
     together = engine.generate(labels(5), [11, 12, 13, 14, 15])
-    alone = engine.generate(labels(1), [13])
+    alone = engine.generate(labels(1), [13], images=False)      # as the statistical tests run: no pixels
     assert together[2].tokens.tolist() == alone[0].tokens.tolist()
+    assert together[2].image.shape == (2, 2, 3) and alone[0].image is None
     # up to the rounding of a forward over 10 rows against 2 (fp32, CFG 2.5 scales a difference by 3.5)
     assert together[2].records["p_target"] == pytest.approx(alone[0].records["p_target"], abs=1e-5)

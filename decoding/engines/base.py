@@ -36,7 +36,7 @@ class EngineConfig:
 @dataclass
 class ImageResult:
     tokens: np.ndarray            # [N] code indices, raster order
-    image: np.ndarray             # uint8 [H, W, 3]
+    image: np.ndarray | None      # uint8 [H, W, 3]; None where generate(images=False)
     records: dict                 # column -> [N] array in generation order (log.TOKEN_COLUMNS)
     target_forwards: int
     draft_forwards: int
@@ -210,33 +210,34 @@ class Engine:
         return full
 
     # -- the contract ---------------------------------------------------------------------------------
-    def generate(self, cond: Conditions, seeds) -> list[ImageResult]:
-        """One batch, every prompt in its own row; raises if the batch fails."""
+    def generate(self, cond: Conditions, seeds, images: bool = True) -> list[ImageResult]:
+        """One batch, every prompt in its own row; raises if the batch fails. images=False: no pixels
+        (ImageResult.image None)."""
         t0 = time.perf_counter()
         with torch.inference_mode():
             log = self._generate(cond, Streams(seeds, self.device))
             tokens = log.tokens.cpu()
-            images = self.bundle.decode(tokens)
+            pixels = self.bundle.decode(tokens) if images else [None] * len(seeds)
         wall = (time.perf_counter() - t0) / len(seeds)
         phases = {k: v / len(seeds) for k, v in log.phase_s.items()}
         tf, df = log.target_forwards.tolist(), log.draft_forwards.tolist()
         unknown = cond.unknown_words or [0] * len(seeds)
-        return [ImageResult(tokens[b].numpy(), images[b], log.records(b), tf[b], df[b], wall, phases,
+        return [ImageResult(tokens[b].numpy(), pixels[b], log.records(b), tf[b], df[b], wall, phases,
                             int(unknown[b]), len(seeds)) for b in range(len(seeds))]
 
-    def stream(self, requests, slots: int) -> Iterator[Outcome]:
+    def stream(self, requests, slots: int, images: bool = True) -> Iterator[Outcome]:
         """Decode requests (an iterable or a RequestQueue) in batches of up to `slots`; a failing batch is
         retried prompt by prompt, so that only the prompts that fail alone fail. Yields one Outcome per
         request."""
         source = requests_of(requests)
         while batch := source.take(slots, wait=True):
             try:
-                results = self.generate(Conditions.cat([r.cond for r in batch]), [r.seed for r in batch])
+                results = self.generate(Conditions.cat([r.cond for r in batch]), [r.seed for r in batch], images)
                 yield from (Outcome(r.key, res) for r, res in zip(batch, results))
             except Exception:
                 for r in batch:
                     try:
-                        yield Outcome(r.key, self.generate(r.cond, [r.seed])[0])
+                        yield Outcome(r.key, self.generate(r.cond, [r.seed], images)[0])
                     except Exception as e:
                         yield Outcome(r.key, error=f"{type(e).__name__}: {e}")
 

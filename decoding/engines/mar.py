@@ -132,18 +132,18 @@ class ContinuousEngine(Engine):
                             device=self.device).expand(B, -1)
 
     # -- the contract ------------------------------------------------------------------------------------
-    def generate(self, cond, seeds) -> list[ImageResult]:
+    def generate(self, cond, seeds, images: bool = True) -> list[ImageResult]:
         t0 = time.perf_counter()
         with torch.inference_mode():
             log = self._generate(cond, Streams(seeds, self.device))
-            images = self.bundle.decode(log.latents)
+            pixels = self.bundle.decode(log.latents) if images else [None] * len(seeds)
         tokens = log.latents.float().cpu().numpy()
         B = len(seeds)
         wall = (time.perf_counter() - t0) / B
         unknown = cond.unknown_words or [0] * B
         phases = {k: v / B for k, v in log.phase_s.items()}
         tf, df = log.target_forwards.tolist(), log.draft_forwards.tolist()
-        return [ImageResult(tokens[b], images[b], log.records(b), tf[b], df[b], wall, phases, int(unknown[b]), B)
+        return [ImageResult(tokens[b], pixels[b], log.records(b), tf[b], df[b], wall, phases, int(unknown[b]), B)
                 for b in range(B)]
 
 

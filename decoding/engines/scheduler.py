@@ -42,19 +42,21 @@ class SlotEngine(Engine):
             self.step(state)
         return state.log
 
-    def generate(self, cond: Conditions, seeds) -> list[ImageResult]:
-        """One batch: every prompt in its own row; raises if a prompt fails."""
+    def generate(self, cond: Conditions, seeds, images: bool = True) -> list[ImageResult]:
+        """One batch: every prompt in its own row; raises if a prompt fails. images=False: tokens and
+        records only (ImageResult.image None), for callers that never look at the pixels."""
         outcomes = {o.key: o for o in self.stream(
-            [Request(c, s, b) for b, (c, s) in enumerate(zip(cond.split(), seeds))], slots=len(seeds))}
+            [Request(c, s, b) for b, (c, s) in enumerate(zip(cond.split(), seeds))], slots=len(seeds),
+            images=images)}
         failed = [o.error for o in outcomes.values() if o.error]
         if failed:
             raise RuntimeError(failed[0])
         return [outcomes[b].result for b in range(len(seeds))]
 
-    def stream(self, requests, slots: int) -> Iterator[Outcome]:
+    def stream(self, requests, slots: int, images: bool = True) -> Iterator[Outcome]:
         """Decode requests (an iterable or a RequestQueue) in `slots` rows. Yields one Outcome per request,
         in the order they finish; an image's wall_s is its share of every step it took part in."""
-        return Scheduler(self, requests, slots).run()
+        return Scheduler(self, requests, slots, images).run()
 
     def resize(self, old, keep: list, slots: int):
         """A fresh state of `slots` rows whose rows 0..k-1 continue old's rows `keep` (state.py)."""
@@ -69,12 +71,12 @@ class SlotEngine(Engine):
         never waits). Engines whose rows drift apart override it (tree.py)."""
         return 0
 
-    def result(self, state, b: int, row: _Row) -> ImageResult:
-        """Row b's finished image."""
+    def result(self, state, b: int, row: _Row, images: bool = True) -> ImageResult:
+        """Row b's finished image (its pixels only if `images`)."""
         log = state.log
         t0 = time.perf_counter()
         tokens = log.tokens[b].cpu().clone()                         # the row is reused by the next prompt
-        image = self.bundle.decode(tokens[None])[0]
+        image = self.bundle.decode(tokens[None])[0] if images else None
         wall = row.wall + time.perf_counter() - t0
         return ImageResult(tokens.numpy(), image, log.records(b), int(log.target_forwards[b]),
                            int(log.draft_forwards[b]), wall, row.phases, int(row.req.cond.unknown_words[0]),
@@ -93,8 +95,8 @@ class SlotEngine(Engine):
 class Scheduler:
     """One stream: which rows decode which requests, when rows refill, regroup, finish or fail."""
 
-    def __init__(self, engine: SlotEngine, requests, slots: int):
-        self.engine, self.source, self.slots = engine, requests_of(requests), slots
+    def __init__(self, engine: SlotEngine, requests, slots: int, images: bool = True):
+        self.engine, self.source, self.slots, self.images = engine, requests_of(requests), slots, images
         self.state, self.rows = None, []              # rows[b]: the image row b decodes (None: free)
 
     def run(self) -> Iterator[Outcome]:
@@ -203,7 +205,7 @@ class Scheduler:
         done = (self.state.log.n >= self.engine.N).tolist()
         for b in self._busy():
             if done[b]:
-                yield Outcome(self.rows[b].req.key, self.engine.result(self.state, b, self.rows[b]))
+                yield Outcome(self.rows[b].req.key, self.engine.result(self.state, b, self.rows[b], self.images))
                 self.rows[b] = None
         busy = self._busy()
         if busy and len(busy) <= self.state.slots // 2 and not self.source.waiting():
