@@ -115,8 +115,10 @@ def test_public_checkpoints_generate_through_the_registry(public):
     bundle = load_bundle(cfg)
     cond = bundle.conditions([3, "7"])
     for name, kw in (("mar", {}), ("cspd", {"num_draft": 2})):
-        res = build_engine(bundle, engine_config(name, num_iter=6, **kw)).generate(cond, [1, 2])
+        engine = build_engine(bundle, engine_config(name, num_iter=6, **kw))
+        res, bare = engine.generate(cond, [1, 2]), engine.generate(cond, [1, 2], images=False)
         assert res[0].image.shape == (64, 64, 3) and res[0].tokens.shape == (16, 4)
+        assert bare[0].image is None and np.array_equal(bare[1].tokens, res[1].tokens)
     with pytest.raises(ValueError, match=r"prompt 'a cat': model 'mar' is class-conditional: give class ids 0\.\.9"):
         bundle.conditions(["a cat"])
 
