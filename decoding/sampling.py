@@ -124,7 +124,8 @@ def exponential(h: torch.Tensor) -> torch.Tensor:
 def pcg_hash(x: torch.Tensor) -> torch.Tensor:
     """PCG output permutation of 32-bit values held in int64 (Jarzynski & Olano 2020, "pcg_hash").
     The multipliers are below 2^30, so no product leaves int64: the same bits on every device. In place
-    after the first product: a race hashes [rows, V] values per draw, and fresh tensors took 2.4x as long."""
+    after the first product: a race hashes [rows, V] values per draw, and each fresh [rows, V] int64
+    tensor is an allocation and another pass over memory (docs/measurements.md, 2026-12-07)."""
     s = (x * 747796405).add_(2891336453).bitwise_and_(_M32)
     w = (s >> (s >> 28).add_(4)).bitwise_xor_(s).mul_(277803737).bitwise_and_(_M32)
     return (w >> 22).bitwise_xor_(w)
