@@ -94,12 +94,14 @@ def draw(row: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
 
 
 def _rows_with_zeros(V: int) -> torch.Tensor:
-    """[4, V] distributions with zeros: one-hot at each end, two tokens, a spread of 20 (top-k 20)."""
-    p = torch.zeros(4, V)
+    """[5, V] distributions with zeros: one-hot at each end, two tokens, a spread of 20 (top-k 20), and
+    mass on the first three quarters (too many tokens of mass for `sample` to race only those)."""
+    p = torch.zeros(5, V)
     p[0, 0] = 1.0
     p[1, V - 1] = 1.0
     p[2, [3, V // 2]] = torch.tensor([1e-30, 1.0])
     p[3, torch.arange(20) * (V // 20)] = torch.softmax(torch.linspace(0, 5, 20), 0)
+    p[4, :3 * V // 4] = torch.linspace(1.0, 2.0, 3 * V // 4)
     return p
 
 
@@ -115,6 +117,40 @@ def test_the_race_never_draws_a_zero_mass_token_whatever_its_bits(V):
         keys = torch.tensor([key_giving(int(t), h) for t in tokens for h in EXTREMES])
         x = draw(row, keys)
         assert bool((row[x] > 0).all()), f"row {r}: drew zero-mass tokens {x[row[x] == 0].unique().tolist()}"
+
+
+def full_race(probs: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+    """The race over the whole vocabulary, as sample() documents it: argmax_v p_v / E_v."""
+    return (probs / exponential(pcg_hash(key[..., None] ^ torch.arange(probs.shape[-1])))).argmax(-1)
+
+
+@pytest.mark.parametrize("V", [64, V_LLAMAGEN])
+def test_the_race_over_the_tokens_of_mass_is_the_full_race(V):
+    """sample() races only the tokens some row can draw where they are few: under any key, every row
+    draws the token of the race over the whole vocabulary. Sparse rows, a one-hot row, tied masses, the
+    tiniest normal mass, an empty row beside full ones (0, as the full race gives), a NaN mass (drawn,
+    not hidden); and batches dense enough for the full race."""
+    g = torch.Generator().manual_seed(V)
+    sparse = torch.zeros(7, V)
+    for r in range(3):
+        sparse[r, torch.randperm(V, generator=g)[:max(2, V // 64)]] = torch.rand(max(2, V // 64), generator=g)
+    sparse[3, V // 3] = 1.0                                          # one-hot
+    sparse[4, [1, V - 2]] = 0.5                                      # tied
+    sparse[5, [2, 9]] = torch.tensor([1e-38, 1e-38])                 # the tiniest normal masses
+    nan = sparse.clone()
+    nan[0, [V // 5, V // 7]] = float("nan")
+    dense = torch.rand(4, V, generator=g) + 1e-3
+    holes = dense.clone()
+    holes[:, : V // 2] = 0.0                                         # half the vocabulary has no mass
+    holes[2] = 0.0                                                   # an empty row among full ones
+    for probs in (sparse, nan, dense, holes):
+        keys = torch.randint(0, 2**32, (48, len(probs)), generator=g)
+        keys[0] = M32
+        keys[1] = 0
+        expect = full_race(probs.expand(48, -1, -1), keys)
+        assert torch.equal(sample(probs.expand(48, -1, -1), keys), expect)
+    keys = torch.randint(0, 2**32, (48, 7), generator=g)
+    assert bool((sample(sparse.expand(48, -1, -1), keys)[:, 6] == 0).all())          # the empty row
 
 
 def test_the_race_gives_the_tiniest_mass_and_the_empty_row_a_valid_token():
