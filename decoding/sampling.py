@@ -81,7 +81,8 @@ def filtered_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     return logits.softmax(-1)
 
 
-SPARSE = 4   # race only the tokens some row can draw where they are at most 1/SPARSE of the vocabulary
+SPARSE = 4          # race only the tokens some row can draw where they are at most 1/SPARSE of the vocabulary,
+SPARSE_FROM = 4096  # in vocabularies this large: below, the race over all costs about what finding them does
 
 
 def sample(probs: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
@@ -99,21 +100,27 @@ def sample(probs: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
     when the new draw, with the same key, agrees: on the shapes model at batch 1, 4.42 -> 4.95 tokens a
     chain step, 2.23-2.33x -> 2.56-2.67x vanilla (docs/design.md, "Chains and Jacobi windows").
 
-    Only tokens of mass can win, so where the tokens any row can draw are at most 1/SPARSE of the
+    Only tokens of mass can win, so where the tokens any row can draw are at most 1/SPARSE of a large
     vocabulary (top-k, top-p, one-hot rows) only those race: the same token, each with the same E_v and
     ties to the lowest id, for a fraction of the hashing (a race at V = 16,384 hashes [rows, V]).
     A NaN mass counts as mass, so that it shows up in the draw as it would in the full race."""
     V = probs.shape[-1]
-    live = ~(probs <= 0)                                                     # [..., V]
-    cols = live.reshape(-1, V).any(0).nonzero()[:, 0]                        # ascending token ids
-    if len(cols) * SPARSE > V:
-        e = exponential(pcg_hash(key[..., None] ^ torch.arange(V, device=probs.device)))
-        return (probs / e).argmax(-1)
+    flat = probs.reshape(-1, V)
+    if V >= SPARSE_FROM and flat.numel() and not bool(flat.min() > 0):                          # zeros (or a NaN) somewhere
+        cols = (flat.amax(0) != 0).nonzero()[:, 0]                           # ascending ids some row can draw
+        if len(cols) * SPARSE <= V:
+            return _race_among(probs, key, cols)
+    e = exponential(pcg_hash(key[..., None] ^ torch.arange(V, device=probs.device)))
+    return (probs / e).argmax(-1)
+
+
+def _race_among(probs: torch.Tensor, key: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+    """`sample`'s race over the tokens cols [C] (ascending) only; a row of no mass draws 0."""
     if len(cols) == 0:
         return torch.zeros(key.shape, dtype=torch.long, device=probs.device)
     e = exponential(pcg_hash(key[..., None] ^ cols))
     won = cols[(probs.index_select(-1, cols) / e).argmax(-1)]
-    return torch.where(live.any(-1), won, 0)                                 # an empty row: 0, as in the full race
+    return torch.where(probs.amax(-1) != 0, won, 0)                    # an empty row: 0, as in the full race
 
 
 # -- counter-based random streams ---------------------------------------------------------------------
