@@ -113,6 +113,126 @@ def _start_error(e: RayActorError) -> ActorStartError:
     return ActorStartError(f"the generator actors could not start: {cause[:300]}")
 
 
+class _Pool:
+    """One job's actors and the batches in flight on them (run_batches): `queue` holds retried or
+    peeked batches, first; `solo` the parts to run alone on an actor; `shared` the in-flight refs that
+    had company on their actor."""
+
+    def __init__(self, cfg, out_dir: Path, batches, placements: list, stop, token, prompts):
+        self.cfg, self.out_dir, self.placements, self.stop = cfg, out_dir, placements, stop
+        self.token, self.prompts = token, prompts
+        self.actor_cls = ray.remote(Generator)
+        # an object-store out_dir: the actors write with the driver's store settings (credentials, endpoint)
+        self.env = {k: v for k, v in os.environ.items() if k.startswith("AWS_")} if is_remote(out_dir) else {}
+        self.batches = iter(batches)
+        self.queue, self.attempts, self.inflight, self.lost = deque(), {}, {}, set()
+        self.solo, self.shared = set(), set()
+        self.nodes = NodeWatch()
+        self.actors: list = [None] * len(placements)
+
+    def spawn(self, a: int) -> None:
+        c = self.cfg.cluster
+        self.actors[a] = self.actor_cls.options(
+            num_cpus=c.num_cpus_per_actor, num_gpus=c.num_gpus_per_actor, max_restarts=c.max_actor_restarts,
+            max_task_retries=c.max_actor_restarts,
+            max_concurrency=IN_FLIGHT_PER_ACTOR + 1,   # its parts share the engine's rows
+            runtime_env={"env_vars": self.env} if self.env else None,
+            scheduling_strategy=self.placements[a]).remote(self.cfg, str(self.out_dir), self.token, self.prompts)
+        self.nodes.track(a, self.actors[a])
+
+    def start(self) -> list:
+        """Every actor started; what each resolved (Generator.resolved). An actor that cannot even start
+        (its model does not load) fails the job in one line."""
+        for a in range(len(self.actors)):
+            self.spawn(a)
+        try:
+            ray.get([x.pid.remote() for x in self.actors])
+            return ray.get([x.resolved.remote() for x in self.actors])
+        except RayActorError as e:
+            raise _start_error(e) from None
+
+    def more(self) -> bool:
+        """Batches left to submit (peeks the iterator into `queue`)."""
+        if self.queue:
+            return True
+        nxt = next(self.batches, None)
+        if nxt is None:
+            return False
+        self.queue.append(nxt)
+        return True
+
+    def submit(self, a: int) -> None:
+        """Fill actor a's slots (IN_FLIGHT_PER_ACTOR) from the queue; a `solo` batch runs alone."""
+        while self.actors[a] is not None and not self.stop:
+            mine = [ref for ref, (_, items, actor) in self.inflight.items() if actor is self.actors[a]]
+            if len(mine) >= IN_FLIGHT_PER_ACTOR or any(part_name(self.inflight[r][1]) in self.solo for r in mine):
+                return
+            if not self.more() or (mine and part_name(self.queue[0]) in self.solo):
+                return                        # (a solo batch waits for this actor to drain)
+            items = self.queue.popleft()
+            ref = self.actors[a].run.remote(part_name(items), items)
+            self.inflight[ref] = (a, items, self.actors[a])
+            if mine:
+                self.shared.update([ref, *mine])
+
+    def drop_lost_nodes(self) -> None:
+        for a in self.nodes.lost(self.actors):
+            log.warning(f"[generate] actor {a} was on a lost node: its batches go to the other actors")
+            self.lost.add(self.actors[a])
+            ray.kill(self.actors[a], no_restart=True)
+            self.actors[a] = None
+
+    def next_done(self):
+        """Wait up to a second for an in-flight batch: (its actor's index, the part to commit), or None
+        where none finished or the batch went back to the queue."""
+        ready, _ = ray.wait(list(self.inflight), num_returns=1, timeout=1.0)
+        if not ready:
+            return None
+        a, items, actor = self.inflight.pop(ready[0])
+        had_company = ready[0] in self.shared
+        self.shared.discard(ready[0])
+        try:
+            res = ray.get(ready[0])
+        except (RayActorError, RayTaskError) as e:
+            res = self._failed(a, items, actor, had_company, e)
+            if res is None:
+                return None
+        self.attempts.pop(part_name(items), None)
+        self.solo.discard(part_name(items))
+        return a, res
+
+    def _failed(self, a: int, items: list, actor, had_company: bool, e: Exception):
+        """A batch whose task raised: back to the queue (None), or its error rows once its attempts are
+        used up."""
+        part = part_name(items)
+        if isinstance(getattr(e, "cause", None), JobExit):
+            raise e.cause from None             # disk full, read-only, permission, lock lost: no retry can help
+        if actor in self.lost:                  # its node died: not the batch's fault
+            return self._retry(next((b for b in range(len(self.actors)) if self.actors[b] is not None), a), items)
+        reason = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300]}"
+        if isinstance(e, RayActorError) and self.actors[a] is actor:  # restarts used up: replace it
+            ray.kill(actor, no_restart=True)
+            self.spawn(a)
+        if isinstance(e, RayActorError) and had_company:   # which batch killed it is unknown
+            log.warning(f"batch {part} failed beside another batch on its actor ({reason}): retrying it alone")
+            self.solo.add(part)
+            return self._retry(a, items)
+        self.attempts[part] = self.attempts.get(part, 0) + 1
+        log.warning(f"batch {part} failed (attempt {self.attempts[part]}): {reason}")
+        if self.attempts[part] <= self.cfg.cluster.max_actor_restarts:
+            return self._retry(a, items)
+        return _error_part(self.out_dir, part, items, self.cfg.engine.name, reason, self.token)
+
+    def _retry(self, a: int, items: list) -> None:
+        self.queue.appendleft(items)
+        self.submit(a)
+
+    def kill_all(self) -> None:
+        for actor in self.actors:
+            if actor is not None:
+                ray.kill(actor, no_restart=True)
+
+
 def run_batches(cfg, out_dir: Path, batches, progress, placements: list, stop=None, token=None,
                 prompts=None, resolved=None) -> None:
     """Run `batches` (an iterator: only the batches in flight are held, workflows/plan.py) on one actor
@@ -121,113 +241,28 @@ def run_batches(cfg, out_dir: Path, batches, progress, placements: list, stop=No
     commit (actors and driver). `prompts`: how many are pending, the most rows an actor needs.
     `resolved(list of Generator.resolved)`: called once every actor has started, before any part; it
     may refuse the run (raise)."""
-    c = cfg.cluster
-    actor_cls = ray.remote(Generator)
-
-    # an object-store out_dir: the actors write with the driver's store settings (credentials, endpoint)
-    env = {k: v for k, v in os.environ.items() if k.startswith("AWS_")} if is_remote(out_dir) else {}
-
-    def spawn(a: int):
-        return actor_cls.options(num_cpus=c.num_cpus_per_actor, num_gpus=c.num_gpus_per_actor,
-                                 max_restarts=c.max_actor_restarts, max_task_retries=c.max_actor_restarts,
-                                 max_concurrency=IN_FLIGHT_PER_ACTOR + 1,   # its parts share the engine's rows
-                                 runtime_env={"env_vars": env} if env else None,
-                                 scheduling_strategy=placements[a]).remote(cfg, str(out_dir), token, prompts)
-
-    n = len(placements)
-    actors = [spawn(a) for a in range(n)]
-    try:  # an actor that cannot even start (its model does not load) fails the job in one line
-        ray.get([x.pid.remote() for x in actors])
-        seen = ray.get([x.resolved.remote() for x in actors])
-    except RayActorError as e:
-        raise _start_error(e) from None
+    pool = _Pool(cfg, out_dir, batches, placements, stop, token, prompts)
+    seen = pool.start()
     if resolved is not None:
         resolved(seen)
-    batches = iter(batches)
-    queue, attempts, inflight, lost = deque(), {}, {}, set()   # queue: retried or peeked batches, first
-    solo, shared = set(), set()       # parts to run alone on an actor; in-flight refs that had company
-    nodes = NodeWatch()
+    n = len(placements)
     for a in range(n):
-        nodes.track(a, actors[a])
-
-    def submit(a: int) -> None:
-        """Fill actor a's slots (IN_FLIGHT_PER_ACTOR) from the queue; a `solo` batch runs alone."""
-        while actors[a] is not None and not stop:
-            mine = [ref for ref, (_, items, actor) in inflight.items() if actor is actors[a]]
-            if len(mine) >= IN_FLIGHT_PER_ACTOR or any(part_name(inflight[r][1]) in solo for r in mine):
-                return
-            if not more() or (mine and part_name(queue[0]) in solo):
-                return                        # (a solo batch waits for this actor to drain)
-            items = queue.popleft()
-            ref = actors[a].run.remote(part_name(items), items)
-            inflight[ref] = (a, items, actors[a])
-            if mine:
-                shared.update([ref, *mine])
-
-    def more() -> bool:   # batches left to submit (peeks the iterator into `queue`)
-        if queue:
-            return True
-        nxt = next(batches, None)
-        if nxt is None:
-            return False
-        queue.append(nxt)
-        return True
-
-    for a in range(n):
-        submit(a)
-    while inflight or (not stop and more()):
-        if not inflight:   # every actor was lost with its node: start new ones where Ray finds room
+        pool.submit(a)
+    while pool.inflight or (not stop and pool.more()):
+        if not pool.inflight:   # every actor was lost with its node: start new ones where Ray finds room
             for a in range(n):
-                actors[a] = spawn(a)
-                nodes.track(a, actors[a])
-                submit(a)
+                pool.spawn(a)
+                pool.submit(a)
         if stop and time.time() >= stop.deadline:
-            log.warning(f"[generate] grace period over: dropping {len(inflight)} in-flight batch(es), uncommitted")
+            log.warning(f"[generate] grace period over: dropping {len(pool.inflight)} in-flight batch(es), "
+                        "uncommitted")
             break
-        for a in nodes.lost(actors):
-            log.warning(f"[generate] actor {a} was on a lost node: its batches go to the other actors")
-            lost.add(actors[a])
-            ray.kill(actors[a], no_restart=True)
-            actors[a] = None
-        ready, _ = ray.wait(list(inflight), num_returns=1, timeout=1.0)
-        if not ready:
-            continue
-        a, items, actor = inflight.pop(ready[0])
-        part, had_company = part_name(items), ready[0] in shared
-        shared.discard(ready[0])
-        try:
-            res = ray.get(ready[0])
-        except (RayActorError, RayTaskError) as e:
-            if isinstance(getattr(e, "cause", None), JobExit):
-                raise e.cause from None         # disk full, read-only, permission, lock lost: no retry can help
-            if actor in lost:                   # its node died: not the batch's fault
-                queue.appendleft(items)
-                submit(next((b for b in range(n) if actors[b] is not None), a))
-                continue
-            reason = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300]}"
-            if isinstance(e, RayActorError) and actors[a] is actor:  # restarts used up: replace it
-                ray.kill(actor, no_restart=True)
-                actors[a] = spawn(a)
-                nodes.track(a, actors[a])
-            if isinstance(e, RayActorError) and had_company:   # which batch killed it is unknown
-                log.warning(f"batch {part} failed beside another batch on its actor ({reason}): retrying it alone")
-                solo.add(part)
-                queue.appendleft(items)
-                submit(a)
-                continue
-            attempts[part] = attempts.get(part, 0) + 1
-            log.warning(f"batch {part} failed (attempt {attempts[part]}): {reason}")
-            if attempts[part] <= c.max_actor_restarts:
-                queue.appendleft(items)
-                submit(a)
-                continue
-            res = _error_part(out_dir, part, items, cfg.engine.name, reason, token)
-        attempts.pop(part, None)
-        solo.discard(part)
-        record_part(out_dir, res, token)
-        progress.update(res)
-        submit(a)
+        pool.drop_lost_nodes()
+        done = pool.next_done()
+        if done is not None:
+            a, res = done
+            record_part(out_dir, res, token)
+            progress.update(res)
+            pool.submit(a)
     if stop:
-        for actor in actors:
-            if actor is not None:
-                ray.kill(actor, no_restart=True)
+        pool.kill_all()

@@ -224,7 +224,7 @@ def test_sampler_is_iddpms_p_sample_loop(clip):
     """The head's sampler (constants folded, adaLN fused) against a plain transcription of IDDPM's
     p_sample with a learned range and MAR's forward_with_cfg, in float64; with clip_x0, IDDPM's
     clip_denoised (x_0 clamped before the posterior mean) with that bound."""
-    from decoding.models.diffloss import DiffLoss, _extract, schedule
+    from decoding.models.diffloss import DiffLoss, extract, schedule
     torch.manual_seed(0)
     head = randomize(DiffLoss(4, 16, depth=2, width=32, num_sampling_steps=20), 0, std=0.2).double()
     n, S = 3, 20
@@ -243,11 +243,11 @@ def test_sampler_is_iddpms_p_sample_loop(clip):
             eps_c, eps_u = out[:n, :4], out[n:, :4]
             eps = eps_u + cfg[:, None].double() * (eps_c - eps_u)
             frac = (out[:n, 4:] + 1) / 2
-            logvar = frac * _extract(s.max_logvar, t, x).double() + (1 - frac) * _extract(s.post_logvar, t, x).double()
-            x0 = _extract(s.sqrt_recip_ac, t, x).double() * x - _extract(s.sqrt_recipm1_ac, t, x).double() * eps
+            logvar = frac * extract(s.max_logvar, t, x).double() + (1 - frac) * extract(s.post_logvar, t, x).double()
+            x0 = extract(s.sqrt_recip_ac, t, x).double() * x - extract(s.sqrt_recipm1_ac, t, x).double() * eps
             if clip is not None:
                 x0 = x0.clamp(-clip, clip)
-            mean = _extract(s.coef1, t, x).double() * x0 + _extract(s.coef2, t, x).double() * x
+            mean = extract(s.coef1, t, x).double() * x0 + extract(s.coef2, t, x).double() * x
             if i:
                 L += 0.5 * logvar
                 x = mean + torch.exp(0.5 * logvar) * temp * noise[:, i].double()

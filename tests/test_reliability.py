@@ -728,8 +728,8 @@ def test_a_suspended_owner_on_this_host_is_taken_over_once_silent(reference, tin
     owner = subprocess.Popen(["sleep", "300"])
     try:
         me = OutDirLock(out).me
-        from workflows.lock import _pid_start
-        (out / "job.lock").write_text(json.dumps({**me, "pid": owner.pid, "pid_start": _pid_start(owner.pid),
+        from workflows.lock import pid_start
+        (out / "job.lock").write_text(json.dumps({**me, "pid": owner.pid, "pid_start": pid_start(owner.pid),
                                                   "token": "suspended"}))
         os.utime(out / "job.lock", (time.time() - 120, time.time() - 120))
         caplog.set_level(logging.WARNING, logger="arspec.job")

@@ -277,9 +277,9 @@ def test_lock_on_s3_takeover_race_and_a_lock_taken_away_stops_the_job(s3):
     c = server.client()
     c.put_object(Bucket=BUCKET, Key="race/job.lock", Body=json.dumps({"host": "node-b", "pid": 1, "token": "old"}).encode())
     a, b = ObjectLock(out), ObjectLock(out)
-    judged = [x._read()[0] for x in (a, b)]
+    judged = [x.read()[0] for x in (a, b)]
     assert judged[0] == judged[1]
-    assert a._take_over(judged[0]) and not b._take_over(judged[1])
+    assert a.take_over(judged[0]) and not b.take_over(judged[1])
     assert json.loads(c.get_object(Bucket=BUCKET, Key="race/job.lock")["Body"].read())["token"] == a.me["token"]
     c.delete_object(Bucket=BUCKET, Key="race/job.lock")
     stop = Stop(grace_s=0)

@@ -118,20 +118,10 @@ def _median_ms(call, reps: int) -> float:
     return round(1000 * float(np.median(ts[1:])), 3)
 
 
-def run_bench(cfg: DictConfig) -> dict:
-    torch.set_num_threads(cfg.threads)
-    if cfg.rounds < 1:
-        raise SystemExit(f"rounds={cfg.rounds}: must be >= 1 (times each engine runs the prompts)")
+def _engines(cfg: DictConfig, chosen: list[str]) -> tuple[dict, dict, dict]:
+    """Each variant's engine on the model its overrides compose (the bench's `model` settings where it is
+    that family), one bundle per distinct model: (bundles, name -> (bundle key, engine), scorers)."""
     model = to_object(cfg.model)
-    chosen = list(cfg.engines or cfg.variants)
-    unknown = [n for n in chosen if n not in cfg.variants]
-    if unknown:
-        raise SystemExit(f"engines={chosen}: no variant {unknown}; defined: {list(cfg.variants)} "
-                         f"(add one with +variants.NAME=[overrides])")
-    if cfg.baseline not in chosen:
-        chosen.insert(0, cfg.baseline)
-    # each variant runs on the model its overrides compose (the bench's `model` settings where it is that
-    # family); one bundle per distinct model
     bundles, engines, scorers = {}, {}, {}
     for name in chosen:
         m, e = variant_config(cfg.variants[name])
@@ -142,6 +132,46 @@ def run_bench(cfg: DictConfig) -> dict:
             fam = family(m.name)
             scorers[key] = fam.scorer(m) if fam.scorer else None
         engines[name] = (key, build_engine(bundles[key], e))
+    return bundles, engines, scorers
+
+
+def _row(prompt: dict, r, score, bi: int) -> dict:
+    """One image's figures for `summarize` (r: an ImageResult)."""
+    per_step = 1.0 / np.maximum(r.records["accept_len"], 1)           # each step's tokens sum to 1
+    budget = r.records.get("budget")
+    drafted = r.records["window_pos"] >= 0 if "window_pos" in r.records else None
+    return {"split": prompt["split"], "tau": r.mean_accept_len, "steps": float(per_step.sum()),
+            "budget": float((budget * per_step).sum()) if budget is not None else 0.0,
+            "plain": float(per_step[budget == 0].sum()) if budget is not None else 0.0,
+            "drafted": int(drafted.sum()) if drafted is not None else 0,
+            "accepted": int(r.records["accepted"][drafted].sum()) if drafted is not None else 0,
+            "fallbacks": int(r.records["fallback"].sum()) if "fallback" in r.records else 0,
+            "target_forwards": r.target_forwards, "draft_forwards": r.draft_forwards,
+            "wall_s": r.wall_s, "phase_s": r.phase_s, "adherence": score, "batch": bi}
+
+
+def _ceiling(cfg: DictConfig, e, rows: list[dict]) -> float:
+    """A tree engine's: its budget's (the acceptance it learnt; budget.py `Budget.ceiling`). Without a
+    drafter, chain steps only: this run's τ at the cost table's price of a chain forward against a plain
+    one (no overhead)."""
+    R = cfg.batch_size * (2 if e.sampling.use_cfg else 1)
+    if e.trees:
+        return round(e.budget.ceiling(R), 3)
+    return round(float(np.mean([r["tau"] for r in rows])) * e.costs.target(R, 1) / e.costs.target(R, 1 + e.cfg.chain), 3)
+
+
+def run_bench(cfg: DictConfig) -> dict:
+    torch.set_num_threads(cfg.threads)
+    if cfg.rounds < 1:
+        raise SystemExit(f"rounds={cfg.rounds}: must be >= 1 (times each engine runs the prompts)")
+    chosen = list(cfg.engines or cfg.variants)
+    unknown = [n for n in chosen if n not in cfg.variants]
+    if unknown:
+        raise SystemExit(f"engines={chosen}: no variant {unknown}; defined: {list(cfg.variants)} "
+                         f"(add one with +variants.NAME=[overrides])")
+    if cfg.baseline not in chosen:
+        chosen.insert(0, cfg.baseline)
+    bundles, engines, scorers = _engines(cfg, chosen)
     prompts = builtin_prompts(cfg.prompts, seed=cfg.prompt_seed)
     batches = [prompts[i:i + cfg.batch_size] for i in range(0, len(prompts), cfg.batch_size)]
     names = list(engines)
@@ -152,102 +182,87 @@ def run_bench(cfg: DictConfig) -> dict:
     # 2-core VM) weighs on each engine alike. Engines keep what they learnt between rounds, as an actor
     # does between its batches: later rounds are warm.
     for bi, batch in [(r * len(batches) + i, b) for r in range(cfg.rounds) for i, b in enumerate(batches)]:
-        order = names[bi % len(names):] + names[:bi % len(names)]
-        for n in order:
+        for n in names[bi % len(names):] + names[:bi % len(names)]:
             key, engine = engines[n]
             bundle, scorer = bundles[key], scorers[key]
-            cond = bundle.conditions([p["prompt"] for p in batch])
-            res = engine.generate(cond, [prompt_seed(cfg.seed, p["prompt_id"]) for p in batch])
+            res = engine.generate(bundle.conditions([p["prompt"] for p in batch]),
+                                  [prompt_seed(cfg.seed, p["prompt_id"]) for p in batch])
             wall[n].append(sum(r.wall_s for r in res))
             scores = score_prompts(scorer, np.stack([r.image for r in res]), [p["prompt"] for p in batch]) \
                 if scorer else [None] * len(res)
-            for p, r, s in zip(batch, res, scores):
-                per_step = 1.0 / np.maximum(r.records["accept_len"], 1)           # each step's tokens sum to 1
-                budget = r.records.get("budget")
-                drafted = r.records["window_pos"] >= 0 if "window_pos" in r.records else None
-                rows[n].append({"split": p["split"], "tau": r.mean_accept_len, "steps": float(per_step.sum()),
-                                "budget": float((budget * per_step).sum()) if budget is not None else 0.0,
-                                "plain": float(per_step[budget == 0].sum()) if budget is not None else 0.0,
-                                "drafted": int(drafted.sum()) if drafted is not None else 0,
-                                "accepted": int(r.records["accepted"][drafted].sum()) if drafted is not None else 0,
-                                "fallbacks": int(r.records["fallback"].sum()) if "fallback" in r.records else 0,
-                                "target_forwards": r.target_forwards, "draft_forwards": r.draft_forwards,
-                                "wall_s": r.wall_s, "phase_s": r.phase_s, "adherence": s, "batch": bi})
+            rows[n] += [_row(p, r, s, bi) for p, r, s in zip(batch, res, scores)]
         log.info(f"[bench] batch {bi + 1}/{len(batches) * cfg.rounds} " +
                  " ".join(f"{n}={np.mean([r['tau'] for r in rows[n]]):.2f}τ" for n in names))
     costs = {}
     for key, bundle in bundles.items():
         costs.update({(f"{bundle.name}_{k}" if len(bundles) > 1 else k): v for k, v in forward_costs(bundle).items()})
     trees = {n: e for n, (_, e) in engines.items() if getattr(e, "costs", None) is not None}
-
-    def ceiling(n: str, e) -> float:
-        """A tree engine's: its budget's (the acceptance it learnt). Without a drafter, chain steps only:
-        this run's τ at the cost table's price of a chain forward against a plain one (no overhead)."""
-        R = cfg.batch_size * (2 if e.sampling.use_cfg else 1)
-        if e.trees:
-            return e.budget.ceiling(R)
-        return float(np.mean([r["tau"] for r in rows[n]])) * e.costs.target(R, 1) / e.costs.target(R, 1 + e.cfg.chain)
-    ceiling = {n: round(ceiling(n, e), 3) for n, e in trees.items()}
     return {"config": OmegaConf.to_container(cfg, resolve=True), "forward_costs": costs,
             "cost_model": next((e.costs.summary() for e in trees.values()), None),
             # the best speedup over vanilla any tree could give here, from the cost model and the
-            # acceptance each engine learnt (budget.py: Budget.ceiling)
-            "ceiling": ceiling,
+            # acceptance each engine learnt
+            "ceiling": {n: _ceiling(cfg, e, rows[n]) for n, e in trees.items()},
             "torch_threads": torch.get_num_threads(), "dtype": sorted({str(b.dtype) for b in bundles.values()}),
             "results": summarize(rows, wall, baseline=cfg.baseline)}
 
 
 def summarize(rows: dict, wall: dict, baseline: str) -> dict:
+    """Per split (flat, textured, all) and engine: `_figures` against the baseline on the same prompts."""
     out = {}
     for split in ("flat", "textured", "all"):
         base = [r for r in rows[baseline] if split in ("all", r["split"])]
         for n, rs in rows.items():
             rs = [r for r in rs if split in ("all", r["split"])]
-            if not rs:
-                continue
-            # per batch speedup: baseline wall / engine wall on the same prompts
-            by_batch = {}
-            for r, b in zip(rs, base):
-                by_batch.setdefault(r["batch"], [0.0, 0.0])
-                by_batch[r["batch"]][0] += b["wall_s"]
-                by_batch[r["batch"]][1] += r["wall_s"]
-            speedups = [bw / ew for bw, ew in by_batch.values()]
-            compression = np.mean([b["target_forwards"] for b in base]) / np.mean([r["target_forwards"] for r in rs])
-            speedup = float(np.sum([b["wall_s"] for b in base]) / np.sum([r["wall_s"] for r in rs]))
-            adh = mean_adherence([r["adherence"] for r in rs])
-            paired = [(attributes_right(r["adherence"]), attributes_right(b["adherence"])) for r, b in zip(rs, base)]
-            diffs = [a - b for a, b in paired if a is not None and b is not None]
-            steps = sum(r["target_forwards"] for r in rs)
-            phases = {k: round(1000 * sum(r["phase_s"].get(k, 0.0) for r in rs) / steps, 2)
-                      for k in rs[0]["phase_s"]}
-            out.setdefault(split, {})[n] = {
-                "images": len(rs), "tau": round(float(np.mean([r["tau"] for r in rs])), 3),
-                "step_compression": round(float(compression), 3), "speedup": round(speedup, 3),
-                "speedup_median": round(float(np.median(speedups)), 3),
-                "speedup_p10_p90": [round(float(np.percentile(speedups, q)), 3) for q in (10, 90)],
-                "efficiency": round(speedup / compression, 3),
-                "s_per_image": round(float(np.mean([r["wall_s"] for r in rs])), 4),
-                "draft_forwards_per_image": round(float(np.mean([r["draft_forwards"] for r in rs])), 1),
-                "ms_per_step": round(1000 * sum(r["wall_s"] for r in rs) / steps, 2),
-                "phase_ms_per_step": phases,  # where a step's time goes (vanilla: the forward)
-                "images_per_s": round(len(rs) / sum(r["wall_s"] for r in rs), 3),
-                # the draft nodes a step verified (budget.py), and how many steps were plain
-                "budget_per_step": round(sum(r["budget"] for r in rs) / max(sum(r["steps"] for r in rs), 1), 2),
-                "plain_steps": round(sum(r["plain"] for r in rs) / max(sum(r["steps"] for r in rs), 1), 3),
-                "phase_s_per_image": {k: round(sum(r["phase_s"].get(k, 0.0) for r in rs) / len(rs), 4)
-                                      for k in rs[0]["phase_s"]},
-                # continuous drafts (cspd): accepted / drafted, and residual-sampler fallbacks
-                "draft_accept_rate": (round(sum(r["accepted"] for r in rs) / sum(r["drafted"] for r in rs), 4)
-                                      if sum(r["drafted"] for r in rs) else None),
-                "fallbacks": sum(r["fallbacks"] for r in rs),
-                "adherence": adh and adh["all"], "adherence_by_attribute": adh,
-                # the share of a caption's attributes drawn right (a finer scale than `all`), and its
-                # paired difference from the baseline on the same prompts and seeds, ± 1.96 standard errors
-                "attributes": round(float(np.mean([a for a, _ in paired if a is not None])), 3) if diffs else None,
-                "attributes_vs_baseline": ([round(float(np.mean(diffs)), 3),
-                                            round(float(1.96 * np.std(diffs, ddof=1) / np.sqrt(len(diffs))), 3)]
-                                           if len(diffs) > 1 else None)}
+            if rs:
+                out.setdefault(split, {})[n] = _figures(rs, base)
     return out
+
+
+def _figures(rs: list[dict], base: list[dict]) -> dict:
+    """An engine's figures over its images `rs` (`_row`s), against the baseline's `base` on the same
+    prompts, in the same order."""
+    # per batch speedup: baseline wall / engine wall on the same prompts
+    by_batch = {}
+    for r, b in zip(rs, base):
+        by_batch.setdefault(r["batch"], [0.0, 0.0])
+        by_batch[r["batch"]][0] += b["wall_s"]
+        by_batch[r["batch"]][1] += r["wall_s"]
+    speedups = [bw / ew for bw, ew in by_batch.values()]
+    compression = np.mean([b["target_forwards"] for b in base]) / np.mean([r["target_forwards"] for r in rs])
+    speedup = float(np.sum([b["wall_s"] for b in base]) / np.sum([r["wall_s"] for r in rs]))
+    adh = mean_adherence([r["adherence"] for r in rs])
+    paired = [(attributes_right(r["adherence"]), attributes_right(b["adherence"])) for r, b in zip(rs, base)]
+    diffs = [a - b for a, b in paired if a is not None and b is not None]
+    steps = sum(r["target_forwards"] for r in rs)
+    phases = {k: round(1000 * sum(r["phase_s"].get(k, 0.0) for r in rs) / steps, 2)
+              for k in rs[0]["phase_s"]}
+    return {
+        "images": len(rs), "tau": round(float(np.mean([r["tau"] for r in rs])), 3),
+        "step_compression": round(float(compression), 3), "speedup": round(speedup, 3),
+        "speedup_median": round(float(np.median(speedups)), 3),
+        "speedup_p10_p90": [round(float(np.percentile(speedups, q)), 3) for q in (10, 90)],
+        "efficiency": round(speedup / compression, 3),
+        "s_per_image": round(float(np.mean([r["wall_s"] for r in rs])), 4),
+        "draft_forwards_per_image": round(float(np.mean([r["draft_forwards"] for r in rs])), 1),
+        "ms_per_step": round(1000 * sum(r["wall_s"] for r in rs) / steps, 2),
+        "phase_ms_per_step": phases,  # where a step's time goes (vanilla: the forward)
+        "images_per_s": round(len(rs) / sum(r["wall_s"] for r in rs), 3),
+        # the draft nodes a step verified (budget.py), and how many steps were plain
+        "budget_per_step": round(sum(r["budget"] for r in rs) / max(sum(r["steps"] for r in rs), 1), 2),
+        "plain_steps": round(sum(r["plain"] for r in rs) / max(sum(r["steps"] for r in rs), 1), 3),
+        "phase_s_per_image": {k: round(sum(r["phase_s"].get(k, 0.0) for r in rs) / len(rs), 4)
+                              for k in rs[0]["phase_s"]},
+        # continuous drafts (cspd): accepted / drafted, and residual-sampler fallbacks
+        "draft_accept_rate": (round(sum(r["accepted"] for r in rs) / sum(r["drafted"] for r in rs), 4)
+                              if sum(r["drafted"] for r in rs) else None),
+        "fallbacks": sum(r["fallbacks"] for r in rs),
+        "adherence": adh and adh["all"], "adherence_by_attribute": adh,
+        # the share of a caption's attributes drawn right (a finer scale than `all`), and its
+        # paired difference from the baseline on the same prompts and seeds, ± 1.96 standard errors
+        "attributes": round(float(np.mean([a for a, _ in paired if a is not None])), 3) if diffs else None,
+        "attributes_vs_baseline": ([round(float(np.mean(diffs)), 3),
+                                    round(float(1.96 * np.std(diffs, ddof=1) / np.sqrt(len(diffs))), 3)]
+                                   if len(diffs) > 1 else None)}
 
 
 def attributes_right(score: dict | None) -> float | None:

@@ -393,46 +393,17 @@ def run(cfg: DictConfig) -> dict:
 
 
 def _generate(c: GenerateConfig, out_dir, stop, token: Optional[str] = None) -> dict:
-    from actors.output import check_lock, fold_manifest, remove_leftovers, write_bytes_atomic
-    from actors.pool import ActorStartError, Progress, run_batches
+    from actors.output import check_lock, write_bytes_atomic
+    from actors.pool import Progress
     from workflows.lock import Preempted
     plan = plan_job(c, c.verify)
-    st, cl = plan.stats, c.cluster
+    st = plan.stats
     log.info(f"[generate] {st.prompts} prompts, {st.already} already in {out_dir}, {st.pending} to generate "
              f"in {st.batches} batch(es) with engine={c.engine.name}")
     t0 = time.time()
     tally, ray_start_s, actors = Tally(Progress(st.prompts, st.already)), 0.0, 0
     if st.pending and not stop:
-        import ray
-        from ray.util.placement_group import remove_placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-        kind = start_ray(cl, stop)
-        ray_start_s = time.time() - t0
-        pgs = []
-        try:
-            if not stop:       # (a SIGTERM while Ray started: nothing is placed, Ray is shut down below)
-                slots = cluster_slots(cl)
-                asked = f"cluster.num_actors={cl.num_actors}"
-                if cl.num_actors is None:
-                    cl.num_actors = max(1, slots)
-                    asked = f"cluster.num_actors=null: one per slot, {slots} now, at least 1"
-                    log.info(f"[generate] cluster.num_actors=null: {cl.num_actors} actor(s), one per slot "
-                             f"({_bundle(cl)} each)")
-                pgs = place_actors(cl, min(cl.num_actors, st.batches), asked,
-                                   cl.wait_s if kind != "local" else min(cl.wait_s, LOCAL_WAIT_S))
-                actors = len(pgs)
-                run_batches(c, out_dir, plan.batches(), tally, [PlacementGroupSchedulingStrategy(pg, 0) for pg in pgs],
-                            stop, token, st.pending, lambda seen: check_resolved(out_dir, seen, token))
-        except ActorStartError as e:
-            raise ConfigError(f"model: {e}") from None
-        finally:
-            for pg in pgs:
-                remove_placement_group(pg)
-            if kind:
-                ray.shutdown()
-        check_lock(out_dir, token)
-        remove_leftovers(out_dir)    # what writers killed mid-part (a lost node, a stop) left behind
-        fold_manifest(out_dir)       # object stores: the parts' manifest/PART.json into manifest.jsonl
+        ray_start_s, actors = _run(c, out_dir, stop, token, plan, tally, t0)
     summary = summarize(tally, c, st.prompts, st.already, time.time() - t0, ray_start_s, t0 + ray_start_s, actors)
     summary["stopped"] = stop.reason
     summary["resolved"] = (_job_json(out_dir)[0] or {}).get("resolved")     # device and dtype (check_resolved)
@@ -451,6 +422,42 @@ def _generate(c: GenerateConfig, out_dir, stop, token: Optional[str] = None) -> 
         raise Preempted(f"[generate] stopped ({stop.reason}): {summary['images'] + summary['errors']} prompts "
                         f"committed in this run, {left} left; rerun the same command to finish")
     return summary
+
+
+def _run(c: GenerateConfig, out_dir, stop, token, plan, tally, t0: float) -> tuple[float, int]:
+    """The plan's batches on Ray (started here, shut down after): (seconds Ray took to start, actors)."""
+    import ray
+    from ray.util.placement_group import remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+    from actors.output import check_lock, fold_manifest, remove_leftovers
+    from actors.pool import ActorStartError, run_batches
+    st, cl = plan.stats, c.cluster
+    kind = start_ray(cl, stop)
+    ray_start_s, pgs = time.time() - t0, []
+    try:
+        if not stop:       # (a SIGTERM while Ray started: nothing is placed, Ray is shut down below)
+            slots = cluster_slots(cl)
+            asked = f"cluster.num_actors={cl.num_actors}"
+            if cl.num_actors is None:
+                cl.num_actors = max(1, slots)
+                asked = f"cluster.num_actors=null: one per slot, {slots} now, at least 1"
+                log.info(f"[generate] cluster.num_actors=null: {cl.num_actors} actor(s), one per slot "
+                         f"({_bundle(cl)} each)")
+            pgs = place_actors(cl, min(cl.num_actors, st.batches), asked,
+                               cl.wait_s if kind != "local" else min(cl.wait_s, LOCAL_WAIT_S))
+            run_batches(c, out_dir, plan.batches(), tally, [PlacementGroupSchedulingStrategy(pg, 0) for pg in pgs],
+                        stop, token, st.pending, lambda seen: check_resolved(out_dir, seen, token))
+    except ActorStartError as e:
+        raise ConfigError(f"model: {e}") from None
+    finally:
+        for pg in pgs:
+            remove_placement_group(pg)
+        if kind:
+            ray.shutdown()
+    check_lock(out_dir, token)
+    remove_leftovers(out_dir)    # what writers killed mid-part (a lost node, a stop) left behind
+    fold_manifest(out_dir)       # object stores: the parts' manifest/PART.json into manifest.jsonl
+    return ray_start_s, len(pgs)
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="generate")

@@ -65,7 +65,7 @@ def _boot_id() -> str:
         return ""
 
 
-def _pid_start(pid: int) -> Optional[str]:
+def pid_start(pid: int) -> Optional[str]:
     """The pid's start time (clock ticks since boot), which a reused pid does not share; None if no such pid."""
     try:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
@@ -131,16 +131,23 @@ class Stop:
         return self.reason is not None
 
 
+def _describe(owner: dict) -> str:
+    """A lock's owner in words (owner: the lock file's JSON)."""
+    if not owner:
+        return "a job whose lock file is still being written"
+    return f"the job of pid {owner.get('pid')} on host {owner.get('host')} started {owner.get('started')}"
+
+
 class OutDirLock:
     def __init__(self, out_dir: Path, timeout_s: float = 60.0, stop: Optional[Stop] = None):
         self.out_dir, self.path, self.timeout_s, self.stop = Path(out_dir), Path(out_dir) / "job.lock", timeout_s, stop
-        self.me = {"host": socket.gethostname(), "pid": os.getpid(), "pid_start": _pid_start(os.getpid()),
+        self.me = {"host": socket.gethostname(), "pid": os.getpid(), "pid_start": pid_start(os.getpid()),
                    "boot_id": _boot_id(), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                    "token": secrets.token_hex(8)}
         self._done = threading.Event()
         self._beat: Optional[threading.Thread] = None
 
-    def _read(self) -> tuple[bytes, dict, float]:
+    def read(self) -> tuple[bytes, dict, float]:
         raw = self.path.read_bytes()
         age = time.time() - self.path.stat().st_mtime
         try:
@@ -153,13 +160,13 @@ class OutDirLock:
         """Why the lock's owner is gone, or LockHeld (one line) while it lives."""
         why = self._why_stale(owner, age)
         if why is None:
-            raise LockHeld(f"out_dir={self.out_dir} is in use by {self.describe(owner)} (heartbeat "
+            raise LockHeld(f"out_dir={self.out_dir} is in use by {_describe(owner)} (heartbeat "
                            f"{age:.0f}s ago; lock {self.path}): wait for it to finish, stop it, or use "
                            f"another out_dir") from None
         return why
 
     def _taking_over(self, owner: dict, why: str) -> None:
-        log.warning(f"[generate] taking over out_dir={self.out_dir}: its lock's owner, {self.describe(owner)}, {why}")
+        log.warning(f"[generate] taking over out_dir={self.out_dir}: its lock's owner, {_describe(owner)}, {why}")
 
     def _why_stale(self, owner: dict, age: float) -> Optional[str]:
         """Why the owner no longer holds the lock, or None while it does."""
@@ -167,18 +174,12 @@ class OutDirLock:
         if same_machine and isinstance(owner.get("pid"), int):
             if owner["pid"] == os.getpid() and owner.get("token") not in _HELD:
                 return "was an earlier run in this process"
-            start = _pid_start(owner["pid"])
+            start = pid_start(owner["pid"])
             if start is None or (start and owner.get("pid_start") and start != owner["pid_start"]):
                 return "is no longer running"
         if age > self.timeout_s:
             return f"has been silent for {age:.0f}s (cluster.lock_timeout_s={self.timeout_s:g})"
         return None
-
-    @staticmethod
-    def describe(owner: dict) -> str:
-        if not owner:
-            return "a job whose lock file is still being written"
-        return f"the job of pid {owner.get('pid')} on host {owner.get('host')} started {owner.get('started')}"
 
     def acquire(self) -> "OutDirLock":
         with storage(self.out_dir):
@@ -189,11 +190,11 @@ class OutDirLock:
                     fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
             except FileExistsError:
                 try:
-                    raw, owner, age = self._read()
+                    raw, owner, age = self.read()
                 except FileNotFoundError:
                     continue         # released meanwhile
                 why = self._stale_or_refuse(owner, age)
-                if self._take_over(raw):
+                if self.take_over(raw):
                     self._taking_over(owner, why)
                 continue
             try:
@@ -207,7 +208,7 @@ class OutDirLock:
             return self._held()
         raise LockHeld(f"out_dir={self.out_dir}: other jobs keep taking its lock ({self.path}); start one job at a time")
 
-    def _take_over(self, judged: bytes) -> bool:
+    def take_over(self, judged: bytes) -> bool:
         """Move the stale lock aside; True if what moved is the lock judged stale (not a fresh one that
         another job wrote meanwhile, which is put back)."""
         aside = self.path.with_name(f"job.lock.stale-{self.me['token']}")
@@ -371,7 +372,7 @@ class ObjectLock(OutDirLock):
             raise LockUnsafe(f"out_dir={self.out_dir}: this store ignores conditional creates (If-None-Match: *), so "
                              f"a second job could not be refused: use a store that honours them, or a local out_dir")
 
-    def _read(self) -> tuple[str, dict, float]:
+    def read(self) -> tuple[str, dict, float]:
         from email.utils import parsedate_to_datetime
         r = self._call("get_object", Key=self.key)
         raw = r["Body"].read()
@@ -392,17 +393,17 @@ class ObjectLock(OutDirLock):
                 if self._failed(e) not in ("PreconditionFailed", "ConditionalRequestConflict", "412", "409"):
                     raise
                 try:
-                    etag, owner, age = self._read()
+                    etag, owner, age = self.read()
                 except ClientError:
                     continue                      # released meanwhile
                 why = self._stale_or_refuse(owner, age)
-                if not self._take_over(etag):
+                if not self.take_over(etag):
                     continue
                 self._taking_over(owner, why)
             return self._held()
         raise LockHeld(f"out_dir={self.out_dir}: other jobs keep taking its lock ({self.path}); start one job at a time")
 
-    def _take_over(self, judged: str) -> bool:
+    def take_over(self, judged: str) -> bool:
         """Replace exactly the lock judged stale (its ETag `judged`): of two jobs that judged it, one wins;
         a fresher lock (another ETag) is left alone. True if this job now holds it."""
         from botocore.exceptions import ClientError

@@ -76,7 +76,7 @@ def schedule(sampling_steps: int | None = None) -> Schedule:
     return Schedule(sampling_steps)
 
 
-def _extract(a: np.ndarray, t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+def extract(a: np.ndarray, t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return torch.as_tensor(a, dtype=torch.float32, device=t.device)[t].reshape(-1, *([1] * (like.dim() - 1)))
 
 
@@ -250,15 +250,15 @@ class DiffLoss(nn.Module):
             t = torch.where(last, torch.full_like(t, s.num_timesteps - 1), t)
         target = target.float()
         noise = torch.randn(target.shape, device=target.device, generator=generator, dtype=target.dtype)
-        x_t = _extract(s.sqrt_ac, t, target) * target + _extract(s.sqrt_1m_ac, t, target) * noise
+        x_t = extract(s.sqrt_ac, t, target) * target + extract(s.sqrt_1m_ac, t, target) * noise
         with torch.autocast(target.device.type, enabled=False):
             out = self.net(x_t, t, z.float())
             eps, v = out.split(self.in_channels, dim=1)
             mse = (eps - noise).pow(2).mean(1)
             # the variational bound trains the variance only (the mean is frozen in it)
             mean, logvar = self._mean_logvar(s, x_t, t, eps.detach(), v)
-            true_mean = _extract(s.coef1, t, target) * target + _extract(s.coef2, t, target) * x_t
-            kl = normal_kl(true_mean, _extract(s.post_logvar, t, target), mean, logvar).mean(1) / math.log(2.0)
+            true_mean = extract(s.coef1, t, target) * target + extract(s.coef2, t, target) * x_t
+            kl = normal_kl(true_mean, extract(s.post_logvar, t, target), mean, logvar).mean(1) / math.log(2.0)
             nll = -discretized_gaussian_loglik(target, mean, 0.5 * logvar).mean(1) / math.log(2.0)
             loss = mse + torch.where(t == 0, nll, kl)
             if teacher is not None:
@@ -273,9 +273,9 @@ class DiffLoss(nn.Module):
     @staticmethod
     def _mean_logvar(s: Schedule, x_t, t, eps, v):
         frac = (v + 1) / 2
-        logvar = frac * _extract(s.max_logvar, t, x_t) + (1 - frac) * _extract(s.post_logvar, t, x_t)
-        x0 = _extract(s.sqrt_recip_ac, t, x_t) * x_t - _extract(s.sqrt_recipm1_ac, t, x_t) * eps
-        return _extract(s.coef1, t, x_t) * x0 + _extract(s.coef2, t, x_t) * x_t, logvar
+        logvar = frac * extract(s.max_logvar, t, x_t) + (1 - frac) * extract(s.post_logvar, t, x_t)
+        x0 = extract(s.sqrt_recip_ac, t, x_t) * x_t - extract(s.sqrt_recipm1_ac, t, x_t) * eps
+        return extract(s.coef1, t, x_t) * x0 + extract(s.coef2, t, x_t) * x_t, logvar
 
     @torch.no_grad()
     def sample(self, z: torch.Tensor, x_T: torch.Tensor, noise: torch.Tensor, temperature: float,
