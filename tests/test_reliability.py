@@ -292,43 +292,6 @@ def _namespaces_work() -> bool:
         return False
 
 
-@pytest.mark.skipif(not shutil.which("unshare") or not _namespaces_work(),
-                    reason="needs unshare -Urm (an unprivileged user + mount namespace) for a tiny tmpfs")
-def test_full_disk_and_read_only_mount_fail_in_one_line_and_rerun_completes(reference, tiny_weights, tmp_path):
-    """out_dir on a 120 kB tmpfs (mounted in a user namespace: no root needed): the job stops with one
-    line naming the path and ENOSPC, exit 3, its committed parts sound; the same out_dir moved to a
-    roomy disk completes exactly. Remounted read-only: one line, EROFS, exit 3."""
-    mnt, keep = tmp_path / "mnt", tmp_path / "copied"
-    mnt.mkdir()
-    cli = [sys.executable, "-m", "workflows.generate", f"model.weights_dir={tiny_weights}", *TINY,
-           "cluster.batch_size=2", "cluster.num_actors=1", "cluster.local_num_cpus=1",
-           f"hydra.run.dir={tmp_path / 'hydra'}"]
-    q = lambda a: " ".join(f"'{x}'" for x in a)  # noqa: E731
-    script = f"""
-        mount -t tmpfs -o size=120k tmpfs {mnt} || exit 90
-        {q(cli)} data.limit={N} out_dir={mnt}/run > {tmp_path}/full.out 2> {tmp_path}/full.err
-        echo $? > {tmp_path}/full.rc
-        cp -a {mnt}/run {keep}
-        mount -o remount,ro {mnt} || exit 91
-        {q(cli)} data.limit=2 out_dir={mnt}/ro > /dev/null 2> {tmp_path}/ro.err
-        echo $? > {tmp_path}/ro.rc
-    """
-    r = subprocess.run(["unshare", "-Urm", "sh", "-c", script], cwd=REPO, env=_clean_env(), timeout=400,
-                       capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr
-    for name, cause in (("full", "No space left on device (ENOSPC)"), ("ro", "Read-only file system (EROFS)")):
-        err = (tmp_path / f"{name}.err").read_text()
-        lines = [x for x in err.splitlines() if x.strip() and not x.startswith("(")]   # "(Actor pid=..)": Ray's
-        assert (tmp_path / f"{name}.rc").read_text().strip() == "3", err
-        assert lines[-1].startswith(f"error: cannot write {mnt}/") and cause in lines[-1], err
-        assert "Traceback" not in err, err
-    parts, damaged = output.inspect(keep, "full")
-    assert parts and not damaged                                   # committed parts intact
-    s = job(*args(tiny_weights, keep, N, "cluster.batch_size=2"))
-    assert s["already_done"] == sum(parts.values()) < N
-    assert_exact(keep, reference, N)
-
-
 def test_a_write_that_fails_midway_leaves_the_old_file_and_no_temporary(tmp_path):
     """A part file fails after its first chunk (the disk filled up): the file under its name is still the
     old one, and the half-written temporary is gone, not left to hold the space a rerun needs."""
@@ -553,47 +516,56 @@ def _cli(tmp_path, *extra) -> list[str]:
 
 @pytest.mark.skipif(not shutil.which("unshare") or not _namespaces_work(),
                     reason="needs unshare -Urm (an unprivileged user + mount namespace) for a tiny tmpfs")
-def test_disk_full_at_start_and_read_only_mid_run_exit_3_and_the_rerun_goes_on(reference, tiny_weights, tmp_path):
-    """Two tmpfs mounts in a mount namespace. One is filled to the last byte before the job starts: the
-    lock cannot be written (ENOSPC): exit 3, one line, and no lock left (the old code: a traceback and
-    an empty job.lock that refused the next run for 60 s). Space freed, the rerun completes. The other
-    is remounted read-only once the job has committed a part: exit 3, one line (the old code: the lock's
-    release raised, a traceback replaced it); remounted read-write, the rerun takes over the dead
-    job's lock at once and completes exactly."""
+def test_a_full_disk_and_a_read_only_mount_exit_3_in_one_line_and_the_reruns_finish(reference, tiny_weights,
+                                                                                   tmp_path, caplog):
+    """out_dir on tmpfs mounts in a user and mount namespace (no root needed). Every failure exits 3 with
+    one line naming the path and its cause, and no traceback:
+    - a 120 kB mount filled to the last byte before the job starts: the lock cannot be written (ENOSPC),
+      and none is left (the old code: a traceback and an empty job.lock that refused the next run for 60 s);
+    - space freed, the rerun starts on the same out_dir and fills the mount mid-run (ENOSPC): its committed
+      parts are sound, and the same out_dir on a roomy disk completes exactly;
+    - a mount remounted read-only once the job has committed a part (EROFS; the old code: the lock's
+      release raised and a traceback replaced the line), and a new out_dir on it while read-only (EROFS):
+      the dead job's lock is taken over at once by the rerun, which completes exactly."""
     full, ro = tmp_path / "full", tmp_path / "ro"
     full.mkdir(), ro.mkdir()
     cli = _cli(tmp_path, f"model.weights_dir={tiny_weights}", f"data.limit={N}")
     q = lambda a: " ".join(f"'{x}'" for x in a)  # noqa: E731
     script = f"""
-        mount -t tmpfs -o size=2m tmpfs {full} && mount -t tmpfs -o size=8m tmpfs {ro} || exit 90
+        mount -t tmpfs -o size=120k tmpfs {full} && mount -t tmpfs -o size=8m tmpfs {ro} || exit 90
         dd if=/dev/zero of={full}/filler bs=1k 2>/dev/null
-        {q(cli)} out_dir={full}/run > /dev/null 2> {tmp_path}/full.err; echo $? > {tmp_path}/full.rc
-        ls -A {full}/run > {tmp_path}/full.ls
+        {q(cli)} out_dir={full}/run > /dev/null 2> {tmp_path}/start.err; echo $? > {tmp_path}/start.rc
+        ls -A {full}/run > {tmp_path}/start.ls
         rm {full}/filler
-        {q(cli)} out_dir={full}/run > /dev/null 2> {tmp_path}/full2.err; echo $? > {tmp_path}/full2.rc
+        {q(cli)} out_dir={full}/run > /dev/null 2> {tmp_path}/full.err; echo $? > {tmp_path}/full.rc
         cp -a {full}/run {tmp_path}/full-run
         {q(cli)} out_dir={ro}/run > /dev/null 2> {tmp_path}/ro.err & job=$!
         until ls {ro}/run/images/*.parquet > /dev/null 2>&1 || ! kill -0 $job 2>/dev/null; do sleep 0.05; done
         until mount -o remount,ro {ro} 2>/dev/null || ! kill -0 $job 2>/dev/null; do sleep 0.02; done
         wait $job; echo $? > {tmp_path}/ro.rc
-        mount -o remount,rw {ro}
-        {q(cli)} out_dir={ro}/run > {tmp_path}/ro2.out 2> {tmp_path}/ro2.err; echo $? > {tmp_path}/ro2.rc
+        {q(cli)} out_dir={ro}/new > /dev/null 2> {tmp_path}/ro_start.err; echo $? > {tmp_path}/ro_start.rc
         cp -a {ro}/run {tmp_path}/ro-run
     """
     r = subprocess.run(["unshare", "-Urm", "sh", "-c", script], cwd=REPO, env=_clean_env(), timeout=500,
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
-    rc = {name: (tmp_path / f"{name}.rc").read_text().strip() for name in ("full", "full2", "ro", "ro2")}
-    err = {name: (tmp_path / f"{name}.err").read_text() for name in rc}
-    for name, cause in (("full", "No space left on device (ENOSPC)"), ("ro", "Read-only file system (EROFS)")):
-        lines = [x for x in err[name].splitlines() if x.strip() and not x.startswith("(")]
-        assert rc[name] == "3" and "Traceback" not in err[name], err[name]
-        assert lines[-1].startswith("error: cannot write ") and cause in lines[-1], err[name]
-    assert "job.lock" not in (tmp_path / "full.ls").read_text()
-    assert rc["full2"] == "0" and rc["ro2"] == "0", err
-    took = (tmp_path / "ro2.out").read_text()
-    assert "taking over out_dir" in took and "is no longer running" in took, took
+    nospace, readonly = "No space left on device (ENOSPC)", "Read-only file system (EROFS)"
+    causes = {"start": (nospace, full), "full": (nospace, full), "ro": (readonly, ro), "ro_start": (readonly, ro)}
+    for name, (cause, mnt) in causes.items():
+        err = (tmp_path / f"{name}.err").read_text()
+        lines = [x for x in err.splitlines() if x.strip() and not x.startswith("(")]   # "(Actor pid=..)": Ray's
+        assert (tmp_path / f"{name}.rc").read_text().strip() == "3", (name, err)
+        assert lines[-1].startswith(f"error: cannot write {mnt}/") and cause in lines[-1], (name, err)
+        assert "Traceback" not in err, (name, err)
+    assert "job.lock" not in (tmp_path / "start.ls").read_text()
+    parts, damaged = output.inspect(tmp_path / "full-run", "full")
+    assert parts and not damaged                                   # committed parts intact
+    s = job(*args(tiny_weights, tmp_path / "full-run", N, "cluster.batch_size=2"))
+    assert s["already_done"] == sum(parts.values()) < N
     assert_exact(tmp_path / "full-run", reference, N)
+    caplog.set_level(logging.WARNING, logger="arspec.job")
+    job(*args(tiny_weights, tmp_path / "ro-run", N, "cluster.batch_size=2"))
+    assert "taking over out_dir" in caplog.text and "is no longer running" in caplog.text, caplog.text
     assert_exact(tmp_path / "ro-run", reference, N)
 
 
