@@ -158,12 +158,15 @@ TREES = {"eagle2": dict(total_tokens=8, depth=3, width=3, chain=0, costs=COSTS),
 
 
 def test_a_stream_that_meets_a_new_row_count_measures_it_and_keeps_its_rows(tmp_path, monkeypatch):
-    """Without a given table an engine measures each row count once, when a batch of it starts: the
-    forwards and each step kind's overhead (calibrate.py runs real steps on a throwaway batch).
-    A stream that regroups into fewer rows does so mid-stream, and the live rows' K/V must survive it:
-    tokens stay vanilla's, and the table holds every row count the stream ran, with the overheads of
-    plain, tree and chain steps."""
+    """Without a given table an engine measures once, when its first batch starts, the row counts of that
+    batch and of every batch it may regroup into (halving): the forwards and each step kind's overhead
+    (calibrate.py runs real steps on a throwaway batch); nothing is measured mid-stream, beside other
+    work. A stream that regroups into fewer rows does so mid-stream, and the live rows' K/V must survive
+    it: tokens stay vanilla's, and the table holds the overheads of plain, tree and chain steps."""
+    import decoding.engines.cost as cost
     monkeypatch.setenv("ARSPEC_CACHE", str(tmp_path))
+    asked, real = [], cost.measure
+    monkeypatch.setattr(cost, "measure", lambda b, rows: asked.append(sorted(rows)) or real(b, rows=rows, reps=1))
     bundle = tiny_bundle(vocab=8, grid=4, seed=1, std=0.3)
     ref = build_engine(bundle, engine_config("vanilla", sampling=SAMPLING)).generate(labels(6), range(6))
     engine = build_engine(bundle, engine_config("adt_tree", sampling=SAMPLING, **{**TREES["adt_tree"], "chain": 4,
@@ -172,7 +175,7 @@ def test_a_stream_that_meets_a_new_row_count_measures_it_and_keeps_its_rows(tmp_
     assert sorted(o.key for o in outs) == list(range(6)) and not any(o.error for o in outs)
     assert {o.key: o.result.tokens.tolist() for o in outs} == {i: r.tokens.tolist() for i, r in enumerate(ref)}
     table = engine.costs
-    assert 16 in table.rows and len(table.rows) >= 2, table.rows            # regrouped: a second row count
+    assert asked == [[2, 4, 8, 16]] and table.rows == [2, 4, 8, 16], asked   # 8 slots with CFG, and halves
     assert sorted(table.overhead_ms) == ["chain", "plain", "spec"]
     assert all(len(line) == len(table.rows) and min(line) >= 0 for line in table.overhead_ms.values())
 

@@ -109,13 +109,17 @@ def cache_key(bundle) -> str:
 @torch.inference_mode()
 def measure(bundle, rows=ROWS, tokens=TOKENS, reps: int = 5) -> CostTable:
     """Least ms per forward over a grid of (rows, tokens), after a committed prefix as long as the
-    condition and half an image (the average position of a step)."""
+    condition and half an image (the average position of a step). The grid runs once untimed first: a
+    process's first pass over it runs slower in its largest cells (here 68-72 against 60 ms at R = 16,
+    T = 16), and a table is kept for good (docs/measurements.md, "The cost table's first pass")."""
     from decoding.engines.base import caches_kept
     with caches_kept(bundle.gpt, bundle.drafter):
+        _measure(bundle, rows, tokens, reps, warm=True)
         return _measure(bundle, rows, tokens, reps)
 
 
-def _measure(bundle, rows, tokens, reps: int) -> CostTable:
+def _measure(bundle, rows, tokens, reps: int, warm: bool = False) -> CostTable | None:
+    """The grid (`measure`); warm: each forward called once, untimed, and nothing returned."""
     from decoding.engines.base import CachedModel, visible
     out = {}
     a = bundle.gpt.args
@@ -138,9 +142,11 @@ def _measure(bundle, rows, tokens, reps: int) -> CostTable:
                 pos = slots.clamp(max=last)
                 call = (lambda: m.logits(m.forward_embeds(h, pos, mask, slots))) if name == "target" else \
                     (lambda: bundle.gpt.logits(m(h, h, pos, mask, slots)))
-                line.append(_least_ms(call, dev, reps))
-            grid.append([round(x, 4) for x in nondecreasing(line)])
+                line.append(call() if warm else _least_ms(call, dev, reps))
+            grid.append([round(x, 4) for x in nondecreasing(line)] if not warm else None)
         out[name] = grid
+    if warm:
+        return None
     return CostTable(list(rows), list(tokens), out["target"], out["drafter"],
                      width_ms=[_width_ms(bundle, R, reps) for R in rows])
 

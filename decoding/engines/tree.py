@@ -186,8 +186,11 @@ class TreeEngine(SlotEngine):
     # -- a continuous batch (scheduler.py) ------------------------------------------------------------
     def start(self, slots: int) -> TreeState:
         R = 2 * slots if self.sampling.use_cfg else slots
-        if self.costs is not None and not self.cfg.costs and R not in self.costs.rows:   # measure this R once
-            self.costs = cost_table(self.bundle, rows=(R,), calibrate=lambda R, f: calibrate(self, R, f))
+        if self.costs is not None and not self.cfg.costs and R not in self.costs.rows:
+            # measured once, with the rows of the batches a stream regroups to (halving: scheduler.py), so
+            # that none is measured mid-stream beside other work
+            rows = tuple(R // slots * (slots >> k) for k in range(slots.bit_length()))
+            self.costs = cost_table(self.bundle, rows=rows, calibrate=lambda R, f: calibrate(self, R, f))
             for b in (self.budget, self.chain_budget):
                 if b is not None:
                     b.costs = self.costs
