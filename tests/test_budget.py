@@ -114,6 +114,19 @@ def test_a_forward_timed_cheaper_with_more_tokens_is_pooled(monkeypatch):
     assert c.target_ms == [[3.0, 3.0, 3.0]] and c.drafter_ms == [[3.0, 3.0, 3.0]]
 
 
+def test_a_cost_table_keeps_the_lesser_of_two_timed_passes_cell_by_cell(monkeypatch):
+    """A burst of other work (a job's start) can cover every repeat of a cell in one pass: each cell is
+    the lesser of two passes over the grid, timed after an untimed one."""
+    import decoding.engines.cost as cost
+    passes = [[5.0, 6.0, 7.0], [5.0, 6.0, 7.0], [1.0, 1.0],          # target, drafter, width (prefix lo, hi)
+              [4.0, 9.0, 9.0], [6.0, 6.0, 6.5], [1.0, 2.0]]
+    times = iter([t for p in passes for t in p])
+    monkeypatch.setattr(cost, "_least_ms", lambda call, dev, reps: next(times))
+    c = measure(tiny_bundle(vocab=8, grid=4), rows=(2,), tokens=(1, 2, 4), reps=1)
+    assert c.target_ms == [[4.0, 6.0, 7.0]] and c.drafter_ms == [[5.0, 6.0, 6.5]]
+    assert next(times, None) is None                                  # two timed passes, no more
+
+
 def test_cost_table_measures_only_the_rows_asked_and_caches_them(tmp_path, monkeypatch):
     """An engine asks for its own row count when a batch starts: only rows the cache lacks are measured,
     and the cache keeps every row measured so far; one measured row scales in proportion to R."""
