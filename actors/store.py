@@ -68,52 +68,10 @@ def _filesystem(scheme: str, netloc_query: str, env: tuple = ()):
     return pfs.PyFileSystem(pfs.FSSpecHandler(fs)), key.rstrip("/")
 
 
-class ObjPath:
-    """A key on an object store, pathlib-style. `str()` is its URI (with the root's query), so it round-trips
-    through at(): actors get the out_dir as that string."""
-
-    def __init__(self, fs, key: str, scheme: str, query: str = ""):
-        self.fs, self.key, self.scheme, self.query = fs, key.rstrip("/"), scheme, query
-
-    def __str__(self) -> str:
-        return f"{self.scheme}://{self.key}{self.query}"
-
-    def __repr__(self) -> str:
-        return f"ObjPath({str(self)!r})"
-
-    def __eq__(self, other) -> bool:
-        return isinstance(other, ObjPath) and str(self) == str(other)
-
-    def __hash__(self) -> int:
-        return hash(str(self))
-
-    def __truediv__(self, rel: str) -> "ObjPath":
-        return ObjPath(self.fs, f"{self.key}/{str(rel).strip('/')}", self.scheme, self.query)
-
-    @property
-    def name(self) -> str:
-        return self.key.rsplit("/", 1)[-1]
-
-    @property
-    def stem(self) -> str:
-        n = self.name
-        return n.rsplit(".", 1)[0] if "." in n[1:] else n
-
-    @property
-    def suffix(self) -> str:
-        n = self.name
-        return "." + n.rsplit(".", 1)[1] if "." in n[1:] else ""
-
-    @property
-    def parent(self) -> "ObjPath":
-        return ObjPath(self.fs, self.key.rsplit("/", 1)[0], self.scheme, self.query)
-
-    @property
-    def bucket(self) -> str:
-        return self.key.split("/", 1)[0]
-
-    def with_name(self, name: str) -> "ObjPath":
-        return self.parent / name
+class _ObjectIO:
+    """What pathlib's reads, writes and listings do, for an `ObjPath` (fs, key)."""
+    fs: object
+    key: str
 
     def _info(self):
         with reach(self):
@@ -169,6 +127,54 @@ class ObjPath:
     def iterdir(self):
         return (self / n for n in entries(self))
 
+
+class ObjPath(_ObjectIO):
+    """A key on an object store, pathlib-style: its names here, its reads and writes in `_ObjectIO`.
+    `str()` is its URI (with the root's query), so it round-trips through at(): actors get the out_dir as
+    that string."""
+
+    def __init__(self, fs, key: str, scheme: str, query: str = ""):
+        self.fs, self.key, self.scheme, self.query = fs, key.rstrip("/"), scheme, query
+
+    def __str__(self) -> str:
+        return f"{self.scheme}://{self.key}{self.query}"
+
+    def __repr__(self) -> str:
+        return f"ObjPath({str(self)!r})"
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, ObjPath) and str(self) == str(other)
+
+    def __hash__(self) -> int:
+        return hash(str(self))
+
+    def __truediv__(self, rel: str) -> "ObjPath":
+        return ObjPath(self.fs, f"{self.key}/{str(rel).strip('/')}", self.scheme, self.query)
+
+    @property
+    def name(self) -> str:
+        return self.key.rsplit("/", 1)[-1]
+
+    @property
+    def stem(self) -> str:
+        n = self.name
+        return n.rsplit(".", 1)[0] if "." in n[1:] else n
+
+    @property
+    def suffix(self) -> str:
+        n = self.name
+        return "." + n.rsplit(".", 1)[1] if "." in n[1:] else ""
+
+    @property
+    def parent(self) -> "ObjPath":
+        return ObjPath(self.fs, self.key.rsplit("/", 1)[0], self.scheme, self.query)
+
+    @property
+    def bucket(self) -> str:
+        return self.key.split("/", 1)[0]
+
+    def with_name(self, name: str) -> "ObjPath":
+        return self.parent / name
 
 Where = Union[Path, ObjPath]
 

@@ -9,6 +9,7 @@ ConfigError, into one line.
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import sys
 from pathlib import Path
@@ -144,3 +145,14 @@ def cli(main: Callable[[], Any]) -> None:
         main()
     except (HydraException, OmegaConfBaseException, ConfigError) as e:
         fail(one_line(e))
+
+
+def exit_now(code: int) -> None:
+    """Exit with `code` once stdout, stderr and the logs are flushed, without tearing down native thread
+    pools: a pyarrow Parquet thread still joinable at interpreter teardown aborts the process now and
+    then (SIGABRT, "terminate called without an active exception") after its work is done, and a CLI's
+    exit status is its answer (docs/measurements.md, "The suite on a busy machine")."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    logging.shutdown()
+    os._exit(code)

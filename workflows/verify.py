@@ -58,4 +58,5 @@ def _verify(out_dir, mode: str) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    from workflows.config import exit_now
+    exit_now(main(sys.argv[1:]))
