@@ -105,9 +105,8 @@ def sample(probs: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
     ties to the lowest id, for a fraction of the hashing (a race at V = 16,384 hashes [rows, V]).
     A NaN mass counts as mass, so that it shows up in the draw as it would in the full race."""
     V = probs.shape[-1]
-    flat = probs.reshape(-1, V)
-    if V >= SPARSE_FROM and flat.numel() and not bool(flat.min() > 0):                          # zeros (or a NaN) somewhere
-        cols = (flat.amax(0) != 0).nonzero()[:, 0]                           # ascending ids some row can draw
+    if V >= SPARSE_FROM and probs.numel() and not bool(probs.min() > 0):    # zeros (or a NaN) somewhere
+        cols = (probs.reshape(-1, V).amax(0) != 0).nonzero()[:, 0]           # ascending ids some row can draw
         if len(cols) * SPARSE <= V:
             return _race_among(probs, key, cols)
     e = exponential(pcg_hash(key[..., None] ^ torch.arange(V, device=probs.device)))
