@@ -137,7 +137,7 @@ def test_run_by_hand_with_an_explicit_address_and_token_auth(ray_head, tiny_weig
                                f"cluster.address={gcs}", "data.limit=2", "cluster.num_actors=1",
                                "cluster.num_cpus_per_actor=1", f"out_dir={out}"],
                               cwd=REPO, capture_output=True, text=True, timeout=300, env={**env, **more})
-    r = generate(tmp_path / "refused")
+    r = generate(tmp_path / "refused", RAY_gcs_server_port_wait_time_s="2")  # Ray's connect retries: 2, not 20 s
     assert r.returncode == 2 and f"error: cluster.address={gcs}: cannot connect" in r.stderr
     assert "set RAY_AUTH_MODE=token and give its token" in r.stderr.strip().splitlines()[-1]
     r = generate(tmp_path / "run", RAY_AUTH_MODE="token")
