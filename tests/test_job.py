@@ -200,7 +200,8 @@ def test_killed_driver_resumes_with_no_duplicates_and_identical_bytes(ray_cluste
     assert cut.returncode == -signal.SIGKILL, cut.stderr[-3000:]
     partial = len(list((tmp_path / "cut" / "images").glob("*.parquet")))
     assert 3 <= partial < 15, "the driver was not killed mid-job"
-    job(*args, f"out_dir={tmp_path / 'cut'}")                          # the rerun and the reference, in this process
+    resumed = job(*args, f"out_dir={tmp_path / 'cut'}")                # the rerun and the reference, in this process
+    assert 2 * 3 <= resumed["already_done"] < 30                       # the parts recorded before the kill: not redone
     job(*args, f"out_dir={tmp_path / 'whole'}")
     cut, whole = images(tmp_path / "cut"), images(tmp_path / "whole")
     assert len(cut) == len(whole) == 30 and cut.prompt_id.is_unique
