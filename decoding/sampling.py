@@ -188,6 +188,12 @@ class Streams:
     def __len__(self) -> int:
         return len(self.key)
 
+    def select(self, rows: torch.Tensor) -> "Streams":
+        """The streams of rows [k] alone (the same numbers as these rows draw here)."""
+        out = Streams.__new__(Streams)
+        out.device, out.key = self.device, self.key[rows]
+        return out
+
     def bits(self, *counters, rows: Optional[torch.Tensor] = None) -> torch.Tensor:
         h = self.key if rows is None else self.key[rows]
         for c in counters:

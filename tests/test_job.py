@@ -80,6 +80,7 @@ def test_continuous_engines_run_through_the_job(ray_cluster, tmp_path, engine):
     s = job("model=mar", f"engine={engine}", "engine.num_iter=4", f"out_dir={out}", "data.limit=2", "model.dtype=float32")
     assert s["images"] == 2 and s["errors"] == 0 and s["invalid_tokens"] == 0
     assert len(images(out)) == 2 and not (out / "errors").exists() or pq.read_table(out / "errors").num_rows == 0
+    assert images(out).batch_size.tolist() == [2, 2]       # one part of two prompts: decoded together
 
 
 def test_rerun_resumes_and_writes_every_prompt_once(ray_cluster, tiny_weights, tmp_path):

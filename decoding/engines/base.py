@@ -6,19 +6,16 @@ for the uncond half by `Engine.rows`. Logical positions: condition tokens 0..L-1
 """
 from __future__ import annotations
 
-import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import ClassVar, Iterator
+from typing import ClassVar
 
 import numpy as np
 import torch
 
 from decoding.bundle import Conditions, ModelBundle
-from decoding.engines.log import TokenLog
-from decoding.engines.requests import Outcome, requests_of
 from decoding.models.gpt import causal_mask
-from decoding.sampling import SamplingParams, Streams, cfg_combine, filtered_probs
+from decoding.sampling import SamplingParams, cfg_combine, filtered_probs
 
 
 @dataclass
@@ -141,12 +138,9 @@ class CachedModel:
 
 
 class Engine:
-    """An engine decodes prompts in batches (docs/design.md, "Engines"). `generate(conditions, seeds)` runs
-    one batch; `stream(requests, slots)` runs a queue of prompts `slots` at a time, yielding each outcome.
-
-    This base decodes fixed batches: a subclass implements `_generate(cond, streams) -> TokenLog` and
-    `stream` cuts the queue into batches of `slots`. `scheduler.SlotEngine` refills rows as they finish.
-    """
+    """An engine decodes prompts in batches (docs/design.md, "Engines"): its settings, its checks, and the
+    helpers engines share. The contract (`generate(conditions, seeds)` for one batch, `stream(requests,
+    slots)` for a queue of prompts, refilling rows as images finish) is `scheduler.SlotEngine`'s."""
     name: ClassVar[str] = "base"
     Config: ClassVar[type] = EngineConfig
     uses_drafter: ClassVar[bool] = False   # drafts with the model's drafter (the help page's tag)
@@ -208,43 +202,3 @@ class Engine:
         full = torch.zeros(R, self.L, target.valid.shape[1], dtype=torch.bool, device=self.device)
         full[:, :, : self.L] = m
         return full
-
-    # -- the contract ---------------------------------------------------------------------------------
-    def generate(self, cond: Conditions, seeds, images: bool = True) -> list[ImageResult]:
-        """One batch, every prompt in its own row; raises if the batch fails. images=False: no pixels
-        (ImageResult.image None)."""
-        t0 = time.perf_counter()
-        with torch.inference_mode():
-            log = self._generate(cond, Streams(seeds, self.device))
-            tokens = log.tokens.cpu()
-            pixels = self.bundle.decode(tokens) if images else [None] * len(seeds)
-        wall = (time.perf_counter() - t0) / len(seeds)
-        phases = {k: v / len(seeds) for k, v in log.phase_s.items()}
-        tf, df = log.target_forwards.tolist(), log.draft_forwards.tolist()
-        unknown = cond.unknown_words or [0] * len(seeds)
-        return [ImageResult(tokens[b].numpy(), pixels[b], log.records(b), tf[b], df[b], wall, phases,
-                            int(unknown[b]), len(seeds)) for b in range(len(seeds))]
-
-    def stream(self, requests, slots: int, images: bool = True) -> Iterator[Outcome]:
-        """Decode requests (an iterable or a RequestQueue) in batches of up to `slots`; a failing batch is
-        retried prompt by prompt, so that only the prompts that fail alone fail. Yields one Outcome per
-        request."""
-        source = requests_of(requests)
-        while batch := source.take(slots, wait=True):
-            try:
-                results = self.generate(Conditions.cat([r.cond for r in batch]), [r.seed for r in batch], images)
-                yield from (Outcome(r.key, res) for r, res in zip(batch, results))
-            except Exception:
-                for r in batch:
-                    try:
-                        yield Outcome(r.key, self.generate(r.cond, [r.seed], images)[0])
-                    except Exception as e:
-                        yield Outcome(r.key, error=f"{type(e).__name__}: {e}")
-
-    @torch.inference_mode()
-    def tokens(self, cond: Conditions, seeds) -> TokenLog:
-        """One batch decoded to tokens only, no images (tests, device benchmarks): the TokenLog."""
-        return self._generate(cond, Streams(list(seeds), self.device))
-
-    def _generate(self, cond: Conditions, streams: Streams) -> TokenLog:
-        raise NotImplementedError

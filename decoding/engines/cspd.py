@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from decoding.engines.continuous import log_accept_ratio, residual_sample
-from decoding.engines.log import Proposer, TokenLog
+from decoding.engines.log import Proposer
 from decoding.engines.mar import RESAMPLE, ContinuousEngine, MarEngineConfig
 from decoding.sampling import ACCEPT, NOISE
 
@@ -76,6 +76,7 @@ class CSpD(ContinuousEngine):
         if bundle.draft is None:
             raise ValueError(NO_DRAFT)
         self.draft = bundle.draft
+        self.models["draft"] = self.draft
         K = cfg.num_iter
         self.prefill = min(K, math.ceil(cfg.prefill_ratio * K - 1e-9))
         self.windows = [list(range(s, min(s + cfg.num_draft, K))) for s in range(self.prefill, K, cfg.num_draft)]
@@ -88,48 +89,41 @@ class CSpD(ContinuousEngine):
             return "exact"
         return f"cspd(lam={self.cfg.lam:g}{'' if self.cfg.trajectory_terms else ', no trajectory terms'})"
 
-    def _generate(self, cond, streams):
-        B, N, C, dev = len(streams), self.N, self.C, self.device
-        log = TokenLog(B, N, self.G, dev)
-        order = self.order(streams)
-        tokens = torch.zeros(B, N, C, device=dev)
-        buf_p, buf_q = self.buffer(self.mar, cond), self.buffer(self.draft, cond)
-        done = 0
-        counts = [n for n, _ in self.plan]
-        for k in range(self.prefill):                                   # the target alone
-            pos = order[:, done:done + counts[k]]
-            with log.phase("target_transformer"):
-                z = self.features(self.mar, tokens, order[:, :done], buf_p)
-            with log.phase("target_diffusion"):
-                s = self.head(self.mar, z, pos, self.scales([k], B), streams)
-            tokens.scatter_(1, pos[..., None].expand(-1, -1, C), s.x)
-            log.commit(torch.full((B,), counts[k], device=dev), cell=pos, step=k, accept_len=counts[k])
-            done += counts[k]
-        fallbacks = torch.zeros((), dtype=torch.long, device=dev)
-        for window in self.windows:
-            q, xs, end = self._draft_window(tokens, order, done, window, buf_q, streams, log)
-            pos = order[:, done:end]                                     # [B, m]: the window's tokens
-            with log.phase("target_transformer"):                       # one target step, pre-window mask
-                z = self.features(self.mar, tokens, order[:, :done], buf_p)
-            with log.phase("target_diffusion"):
-                p = self.head(self.mar, z, pos, self.scales(window, B), streams)
-            with log.phase("accept"):
-                x, log_r, accepted, fell_back = self.verify(q, torch.cat(xs, 1), p, pos, streams)
-                tokens.scatter_(1, pos[..., None].expand(-1, -1, C), x)
-                m = end - done
-                step = torch.tensor([k for k in window for _ in range(counts[k])], device=dev).expand(B, -1)
-                log.commit(torch.full((B,), m, device=dev), cell=pos, step=step, accepted=accepted, accept_len=m,
-                           proposer=Proposer.DRAFT_MODEL,
-                           log_accept_ratio=log_r, window_pos=step - window[0], fallback=fell_back)
-                fallbacks += fell_back.sum()
-            done = end
-        log.target_forwards[:] = self.prefill + len(self.windows)
-        log.draft_forwards[:] = sum(len(w) for w in self.windows)
-        if self.windows and int(fallbacks):                             # one host read per batch
-            log_.warning(f"cspd: the residual sampler failed {self.cfg.max_tries} tries for {int(fallbacks)} of "
-                         f"{B * N} tokens; they took the target's own aligned sample (tokens table: fallback)")
-        log.latents = tokens
-        return log
+    def step_group(self, st, g, done):
+        """A target step for rows g in the prefill, else their window: num_draft draft steps, one target
+        step over the window's tokens with the pre-window mask, and the acceptance test of each token."""
+        k = self.step_at[done]
+        if k < self.prefill:
+            return self.target_step(st, g, done)
+        window = self.windows[(k - self.prefill) // self.cfg.num_draft]
+        log, C, streams, B = st.log, self.C, st.streams.select(g), len(g)
+        order, tokens, counts = st.order[g], log.latents[g], [n for n, _ in self.plan]
+        buf_p, buf_q = (st.buffers[m][self.cache_rows(g, st.slots)] for m in ("target", "draft"))
+        q, xs, end = self._draft_window(tokens, order, done, window, buf_q, streams, log)
+        pos = order[:, done:end]                                         # [B, m]: the window's tokens
+        with log.phase("target_transformer"):                           # one target step, pre-window mask
+            z = self.features(self.mar, tokens, order[:, :done], buf_p)
+        with log.phase("target_diffusion"):
+            p = self.head(self.mar, z, pos, self.scales(window, B), streams)
+        with log.phase("accept"):
+            x, log_r, accepted, fell_back = self.verify(q, torch.cat(xs, 1), p, pos, streams)
+            log.latents[g] = tokens.scatter_(1, pos[..., None].expand(-1, -1, C), x)
+            m = end - done
+            step = torch.tensor([k for k in window for _ in range(counts[k])], device=self.device).expand(B, -1)
+            log.commit(torch.full((B,), m, device=self.device), rows=g, cell=pos, step=step, accepted=accepted,
+                       accept_len=m, proposer=Proposer.DRAFT_MODEL, log_accept_ratio=log_r,
+                       window_pos=step - window[0], fallback=fell_back)
+        log.target_forwards[g] += 1
+        log.draft_forwards[g] += len(window)
+
+    def result(self, st, b, row, images=True):
+        res = super().result(st, b, row, images)
+        fell = int(res.records["fallback"].sum())
+        if fell:
+            log_.warning(f"cspd: the residual sampler failed {self.cfg.max_tries} tries for {fell} of {self.N} "
+                         f"tokens of an image (seed {row.req.seed}); they took the target's own aligned sample "
+                         f"(tokens table: fallback)")
+        return res
 
     def _draft_window(self, tokens, order, done: int, window: list, buf_q, streams, log):
         """The draft's num_draft AR steps of a window from `done` committed tokens: (its HeadSamples, the

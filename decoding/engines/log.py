@@ -110,9 +110,14 @@ class TokenLog:
         """[B, N] int64 committed code indices (past a row's n: -1, not committed yet)."""
         return self.col("token_id")[:, : self.N]
 
-    def commit(self, count: torch.Tensor, **values) -> None:
+    def commit(self, count: torch.Tensor, rows: Optional[torch.Tensor] = None, **values) -> None:
         """count [B] tokens per row (0 = none); values: column -> [B, K] per token, or [B] or a number
-        (one value for the whole block)."""
+        (one value for the whole block). With rows [k] (distinct), count and tensor values are those
+        rows' ([k], [k, K]) and the other rows commit nothing."""
+        if rows is not None:
+            count = torch.zeros(self.B, dtype=count.dtype, device=self.device).index_copy(0, rows, count)
+            values = {k: v.new_zeros((self.B,) + v.shape[1:]).index_copy(0, rows, v)
+                      if torch.is_tensor(v) and v.dim() else v for k, v in values.items()}
         K = max([v.shape[1] for v in values.values() if torch.is_tensor(v) and v.dim() == 2] or [1])
         lanes = torch.arange(K, device=self.device)
         self.write(torch.where(lanes < count[:, None], self.n[:, None] + lanes, self.N), **values)

@@ -5,18 +5,23 @@ one run of the diffusion head for the tokens it reveals (docs/design.md, "Contin
 What every continuous engine shares lives here too: the schedule, the per-image random order, and the
 noise, drawn by absolute token position (x_T, and ε for each diffusion step), so that any two models, or
 any two engines, sampling a token at the same position follow aligned trajectories.
+
+Continuous batching (scheduler.py): a row takes a new prompt as soon as its image is done. Rows admitted
+together stay in step (every image takes the same steps), so a step runs one group per distinct number
+of revealed tokens, each group exactly as a batch of those rows alone would; free rows are not computed.
 """
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 
-from decoding.engines.base import Engine, EngineConfig, ImageResult
+from decoding.engines.base import EngineConfig
 from decoding.engines.log import TokenLog
+from decoding.engines.scheduler import SlotEngine
+from decoding.engines.state import per_cache_row, per_slot
 from decoding.models.diffloss import HeadSample
 from decoding.models.mar import MAR
 from decoding.sampling import NOISE, Streams
@@ -59,11 +64,24 @@ def mar_schedule(N: int, num_iter: int, cfg: float, cfg_schedule: str) -> list[t
     return out
 
 
-class ContinuousEngine(Engine):
-    """Base of the engines over a MarBundle: settings, schedule, noise, one target/draft step, the result.
-    Subclasses implement `_generate(cond, streams) -> TokenLog` (the Engine contract) and leave the
-    token vectors [B, N, C] in `log.latents`; `generate` decodes them with the bundle's VAE."""
+@dataclass
+class ContinuousState:
+    """A continuous batch: the log (its `latents` [slots, N, C] hold the token vectors), the per-prompt
+    streams, each row's random order [slots, N], and the condition slots of each model that runs,
+    {name: [R, buffer_size, D]} (R = 2 slots with CFG: [cond; uncond])."""
+    slots: int
+    log: TokenLog = per_slot()
+    streams: Streams = per_slot()
+    order: torch.Tensor = per_slot()
+    buffers: dict = per_cache_row()
+
+
+class ContinuousEngine(SlotEngine):
+    """Base of the engines over a MarBundle: settings, schedule, noise, one target step of a group of
+    rows, the slot calls. Subclasses implement `step_group(state, rows, done)`: advance rows [g], which
+    have revealed `done` tokens each, by one of their steps."""
     Config: ClassVar[type] = MarEngineConfig
+    regroups: ClassVar[bool] = False       # free rows cost nothing: only busy rows are computed
 
     def __init__(self, bundle, cfg: MarEngineConfig):
         if type(cfg) is not self.Config:
@@ -82,6 +100,10 @@ class ContinuousEngine(Engine):
             raise ValueError(f"engine.num_iter={cfg.num_iter}: more AR steps than the model's {self.N} tokens")
         self.device = self.mar.fake_latent.device
         self.plan = mar_schedule(self.N, cfg.num_iter, self.sampling.cfg_scale, cfg.cfg_schedule)
+        self.step_at = {}                                  # tokens revealed before step k -> k
+        for k, (n, _) in enumerate(self.plan):
+            self.step_at[sum(m for m, _ in self.plan[:k])] = k
+        self.models = {"target": self.mar}                 # the models whose condition slots a row keeps
 
     # -- randomness, by absolute token position ----------------------------------------------------------
     def order(self, streams: Streams) -> torch.Tensor:
@@ -131,41 +153,58 @@ class ContinuousEngine(Engine):
         return torch.tensor([s for k in steps for s in [self.plan[k][1]] * self.plan[k][0]],
                             device=self.device).expand(B, -1)
 
-    # -- the contract ------------------------------------------------------------------------------------
-    def generate(self, cond, seeds, images: bool = True) -> list[ImageResult]:
-        t0 = time.perf_counter()
-        with torch.inference_mode():
-            log = self._generate(cond, Streams(seeds, self.device))
-            pixels = self.bundle.decode(log.latents) if images else [None] * len(seeds)
-        tokens = log.latents.float().cpu().numpy()
-        B = len(seeds)
-        wall = (time.perf_counter() - t0) / B
-        unknown = cond.unknown_words or [0] * B
-        phases = {k: v / B for k, v in log.phase_s.items()}
-        tf, df = log.target_forwards.tolist(), log.draft_forwards.tolist()
-        return [ImageResult(tokens[b], pixels[b], log.records(b), tf[b], df[b], wall, phases, int(unknown[b]), B)
-                for b in range(B)]
+    def target_step(self, st: ContinuousState, g: torch.Tensor, done: int) -> None:
+        """The target alone reveals the tokens of rows g's next step (`done` revealed before it)."""
+        log, C, k = st.log, self.C, self.step_at[done]
+        n = self.plan[k][0]
+        order, tokens = st.order[g], log.latents[g]
+        pos = order[:, done:done + n]
+        with log.phase("target_transformer"):
+            z = self.features(self.mar, tokens, order[:, :done], st.buffers["target"][self.cache_rows(g, st.slots)])
+        with log.phase("target_diffusion"):
+            s = self.head(self.mar, z, pos, self.scales([k], len(g)), st.streams.select(g))
+        log.latents[g] = tokens.scatter_(1, pos[..., None].expand(-1, -1, C), s.x)
+        log.commit(torch.full((len(g),), n, device=self.device), rows=g, cell=pos, step=k, accept_len=n)
+        log.target_forwards[g] += 1
+
+    # -- the slot calls (scheduler.py) ---------------------------------------------------------------------
+    def start(self, slots: int) -> ContinuousState:
+        log = TokenLog(slots, self.N, self.G, self.device)
+        log.n[:] = self.N                                             # empty slots are finished rows
+        log.latents = torch.zeros(slots, self.N, self.C, device=self.device)
+        return ContinuousState(slots, log, Streams([0] * slots, self.device),
+                               torch.zeros(slots, self.N, dtype=torch.long, device=self.device), {})
+
+    def admit(self, st: ContinuousState, rows: torch.Tensor, cond, seeds: list) -> None:
+        for name, model in self.models.items():      # first: a prompt the model cannot take fails here
+            b = self.buffer(model, cond)
+            if name not in st.buffers:
+                R = 2 * st.slots if self.sampling.use_cfg else st.slots
+                st.buffers[name] = b.new_zeros((R,) + b.shape[1:])
+            st.buffers[name][self.cache_rows(rows, st.slots)] = b
+        st.log.reset(rows)
+        st.log.latents[rows] = 0
+        st.streams.reseed(rows, seeds)
+        st.order[rows] = self.order(st.streams.select(rows))
+
+    def step(self, st: ContinuousState) -> None:
+        """One step of every busy row: a group per number of tokens revealed."""
+        groups: dict[int, list] = {}
+        for b, n in enumerate(st.log.n.tolist()):
+            if n < self.N:
+                groups.setdefault(n, []).append(b)
+        for done, g in groups.items():
+            self.step_group(st, torch.tensor(g, device=self.device), done)
+
+    def step_group(self, st: ContinuousState, g: torch.Tensor, done: int) -> None:
+        raise NotImplementedError
+
+    def row_tokens(self, st: ContinuousState, b: int) -> torch.Tensor:
+        return st.log.latents[b].float().cpu().clone()
 
 
 class Mar(ContinuousEngine):
     name, Config = "mar", MarEngineConfig
 
-    def _generate(self, cond, streams):
-        B, N, dev = len(streams), self.N, self.device
-        log = TokenLog(B, N, self.G, dev)
-        order = self.order(streams)
-        tokens = torch.zeros(B, N, self.C, device=dev)
-        buffer = self.buffer(self.mar, cond)
-        done = 0
-        for k, (n, _) in enumerate(self.plan):
-            pos = order[:, done:done + n]
-            with log.phase("target_transformer"):
-                z = self.features(self.mar, tokens, order[:, :done], buffer)
-            with log.phase("target_diffusion"):
-                s = self.head(self.mar, z, pos, self.scales([k], B), streams)
-            tokens.scatter_(1, pos[..., None].expand(-1, -1, self.C), s.x)
-            log.commit(torch.full((B,), n, device=dev), cell=pos, step=k, accept_len=n)
-            done += n
-        log.target_forwards[:] = len(self.plan)
-        log.latents = tokens
-        return log
+    def step_group(self, st, g, done):
+        self.target_step(st, g, done)

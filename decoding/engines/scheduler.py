@@ -75,12 +75,16 @@ class SlotEngine(Engine):
         """Row b's finished image (its pixels only if `images`)."""
         log = state.log
         t0 = time.perf_counter()
-        tokens = log.tokens[b].cpu().clone()                         # the row is reused by the next prompt
+        tokens = self.row_tokens(state, b)
         image = self.bundle.decode(tokens[None])[0] if images else None
         wall = row.wall + time.perf_counter() - t0
         return ImageResult(tokens.numpy(), image, log.records(b), int(log.target_forwards[b]),
                            int(log.draft_forwards[b]), wall, row.phases, int(row.req.cond.unknown_words[0]),
                            row.slots / max(row.steps, 1))
+
+    def row_tokens(self, state, b: int) -> torch.Tensor:
+        """Row b's tokens on the host, a copy (the row is reused by the next prompt)."""
+        return state.log.tokens[b].cpu().clone()
 
     def start(self, slots: int):
         raise NotImplementedError
@@ -172,7 +176,7 @@ class Scheduler:
         rows = torch.tensor([b for b, _ in group], device=e.device)
         try:
             with torch.inference_mode():
-                e.admit(state, rows, Conditions.cat([r.cond for _, r in group]), [r.seed for _, r in group])
+                e.admit(state, rows, type(group[0][1].cond).cat([r.cond for _, r in group]), [r.seed for _, r in group])
         except Exception:
             state.log.n[rows] = e.N                               # the rows are free again
             raise

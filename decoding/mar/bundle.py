@@ -26,6 +26,18 @@ class MarConditions:
     def __len__(self) -> int:
         return len(self.labels if self.labels is not None else self.features)
 
+    def split(self) -> list["MarConditions"]:
+        """One MarConditions per prompt."""
+        one = lambda t, b: None if t is None else t[b:b + 1]  # noqa: E731
+        return [MarConditions(one(self.labels, b), one(self.features, b), one(self.mask, b),
+                              list((self.unknown_words or [0] * len(self))[b:b + 1])) for b in range(len(self))]
+
+    @staticmethod
+    def cat(parts: list["MarConditions"]) -> "MarConditions":
+        both = lambda name: None if getattr(parts[0], name) is None else torch.cat([getattr(c, name) for c in parts])  # noqa: E731
+        return MarConditions(both("labels"), both("features"), both("mask"),
+                             [w for c in parts for w in (c.unknown_words or [0] * len(c))])
+
 
 DRAFT_SHARES = ("seq_len", "token_dim", "cond", "buffer_size", "caption_dim", "class_num", "num_sampling_steps")
 
