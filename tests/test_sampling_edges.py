@@ -203,7 +203,6 @@ def test_filtered_distributions_are_finite_and_their_draws_have_mass(params, V):
 def test_a_draft_the_target_likes_as_much_passes_even_at_the_largest_uniform():
     """trial(): min(1, p/q) = 1 must pass for every u; p(x) = 0 must never pass, even with q(x) = 0
     (a one-hot draft scored against a target that excludes it)."""
-    V = 5
     p = torch.tensor([[0.0, 0.5, 0.5, 0.0, 0.0]] * 4)[None]        # [1, 4, V]
     q = torch.tensor([[0.0, 0.5, 0.5, 0.0, 0.0], [0.0, 0.25, 0.75, 0.0, 0.0],
                       [0.0, 0.0, 0.0, 1.0, 0.0], [0.0, 0.0, 0.0, 0.0, 0.0]])[None]

@@ -243,7 +243,6 @@ def test_adt_engine_logs_adapting_tree_shapes(tiny):
 
 # -- tree construction --------------------------------------------------------------------------------
 def test_tree_selection_keeps_ancestors_and_budget(tiny):
-    engine = build_engine(tiny, engine_config("eagle2", total_tokens=5, depth=3, width=3, budget="fixed"))
     tok = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3]])
     par = torch.tensor([[-1, -1, -1, 0, 0, 0, 1, 1, 1, 2, 2, 2]])
     depth = torch.tensor([[1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 2]])

@@ -131,7 +131,7 @@ def check_out_dir(out_dir, fp: dict) -> None:
                           f"use a new out_dir or the same settings")
 
 
-def check_resolved(out_dir: Path, seen: list[dict], token: Optional[str] = None) -> None:
+def check_resolved(out_dir, seen: list[dict], token: Optional[str] = None) -> None:
     """Every actor resolved model.device and model.dtype alike, and as the run that started out_dir did
     (job.json `resolved`, recorded by the first run to start its actors): bf16 and fp32, or a GPU and a
     CPU, give different bytes, and one out_dir must not mix them."""
