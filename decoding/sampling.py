@@ -194,23 +194,23 @@ class Streams:
         out.device, out.key = self.device, self.key[rows]
         return out
 
-    def bits(self, *counters, rows: Optional[torch.Tensor] = None) -> torch.Tensor:
-        h = self.key if rows is None else self.key[rows]
+    def bits(self, *counters) -> torch.Tensor:
+        h = self.key
         for c in counters:
             c = torch.as_tensor(c, dtype=torch.int64, device=self.device)
             h = h.reshape(h.shape + (1,) * max(c.dim() - h.dim(), 0))
             h = pcg_hash(h ^ (c & _M32))
         return pcg_hash(h)
 
-    def uniform(self, *counters, rows: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def uniform(self, *counters) -> torch.Tensor:
         """float32 uniforms strictly inside (0, 1) (`unit`), so log(u) is finite and u < 1 passes any test
         u < r with r >= 1."""
-        return unit(self.bits(*counters, rows=rows))
+        return unit(self.bits(*counters))
 
-    def normal(self, *counters, rows: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def normal(self, *counters) -> torch.Tensor:
         """Standard normals by Box-Muller from two uniforms of the same counters (lanes 0 and 1 of a
         last counter added here)."""
-        u1, u2 = (self.uniform(*counters, lane, rows=rows) for lane in (0, 1))
+        u1, u2 = (self.uniform(*counters, lane) for lane in (0, 1))
         return torch.sqrt(-2.0 * torch.log(u1)) * torch.cos(2 * torch.pi * u2)
 
 

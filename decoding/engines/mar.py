@@ -21,7 +21,6 @@ import torch
 from decoding.engines.base import EngineConfig
 from decoding.engines.log import TokenLog
 from decoding.engines.scheduler import SlotEngine
-from decoding.engines.state import per_cache_row, per_slot
 from decoding.models.diffloss import HeadSample
 from decoding.models.mar import MAR
 from decoding.sampling import NOISE, Streams
@@ -66,14 +65,14 @@ def mar_schedule(N: int, num_iter: int, cfg: float, cfg_schedule: str) -> list[t
 
 @dataclass
 class ContinuousState:
-    """A continuous batch: the log (its `latents` [slots, N, C] hold the token vectors), the per-prompt
-    streams, each row's random order [slots, N], and the condition slots of each model that runs,
-    {name: [R, buffer_size, D]} (R = 2 slots with CFG: [cond; uncond])."""
+    """A continuous batch (never regrouped: free rows are not computed): the log (its `latents` [slots,
+    N, C] hold the token vectors), the per-prompt streams, each row's random order [slots, N], and the
+    condition slots of each model that runs, {name: [R, buffer_size, D]} (R = 2 slots with CFG)."""
     slots: int
-    log: TokenLog = per_slot()
-    streams: Streams = per_slot()
-    order: torch.Tensor = per_slot()
-    buffers: dict = per_cache_row()
+    log: TokenLog
+    streams: Streams
+    order: torch.Tensor
+    buffers: dict
 
 
 class ContinuousEngine(SlotEngine):
