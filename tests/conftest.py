@@ -25,9 +25,11 @@ atexit.register(shutil.rmtree, HYDRA_DIR, True)
 if "ARSPEC_CACHE" not in os.environ:
     os.environ["ARSPEC_CACHE"] = tempfile.mkdtemp(prefix="arspec-cache-")
     atexit.register(shutil.rmtree, os.environ["ARSPEC_CACHE"], True)
-# two threads (this machine's cores) unless OMP_NUM_THREADS says otherwise: on a busy host a second
-# thread that is not scheduled stalls every op of the first
-torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or max(1, min(2, os.cpu_count() or 1))))
+# the cores this process may use, at most two, unless OMP_NUM_THREADS says otherwise: the suite runs on
+# pytest-xdist workers (pyproject's addopts), which share the cores; on a busy host a second thread that
+# is not scheduled stalls every op of the first
+WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 1)
+torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or max(1, min(2, (os.cpu_count() or 1) // WORKERS))))
 
 from decoding.bundle import Conditions, ModelBundle  # noqa: E402
 from decoding.models.drafter import Drafter, DrafterArgs  # noqa: E402
@@ -108,6 +110,18 @@ def write_tiny_weights(d: Path, grid: int = 4, seed: int = 0) -> Path:
 @pytest.fixture(scope="session")
 def tiny_weights(tmp_path_factory):
     return write_tiny_weights(tmp_path_factory.mktemp("tiny-weights"))
+
+
+def pytest_xdist_auto_num_workers(config) -> int:
+    """`-n auto`: one worker per core, at most 4 (each holds a torch and the models it loaded)."""
+    return max(1, min(4, os.cpu_count() or 1))
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """The tests on the shared Ray instance run on one xdist worker, so that the run starts one Ray."""
+    for item in items:
+        if "ray_cluster" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.xdist_group("ray"))
 
 
 @pytest.fixture(scope="session")

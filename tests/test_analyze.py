@@ -443,7 +443,7 @@ def test_bench_scores_attributes_and_their_paired_difference_from_the_baseline()
     assert r["eng"]["adherence"] == 0.0 and r["base"]["adherence"] == pytest.approx(1 / 3, abs=1e-3)
 
 
-def test_bench_rounds_rotate_the_engines_and_count_every_image(monkeypatch):
+def test_bench_rounds_rotate_the_engines_and_count_every_image(monkeypatch, tiny_weights):
     """rounds=2 runs the prompts twice on each engine; from one batch to the next the engines' order
     rotates, so host drift over a run weighs on each alike; a round count below 1 is refused."""
     from hydra import compose, initialize_config_dir
@@ -460,6 +460,7 @@ def test_bench_rounds_rotate_the_engines_and_count_every_image(monkeypatch):
     monkeypatch.setattr(bench, "build_engine", traced)
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
         cfg = compose("bench", overrides=["prompts=2", "batch_size=2", "rounds=2", "engines=[vanilla,again]",
+                                          f"model.weights_dir={tiny_weights}", "model.dtype=float32",
                                           '+variants.again=["engine=vanilla"]'])
         bad = compose("bench", overrides=["rounds=0"])
         with pytest.raises(Exception) as unknown:                   # the bench's config has no schema class

@@ -56,19 +56,21 @@ def engine_config(overrides: list[str]):
 
 @torch.inference_mode()
 def forward_costs(bundle, sizes=(1, 8, 16, 32, 60), reps: int = 20) -> dict:
-    """Median ms of one target / drafter forward over a block of T tokens, CFG batch of 2 rows."""
+    """Median ms of one target / drafter forward over a block of T tokens after a known prefix of up to
+    200, CFG batch of 2 rows. Blocks longer than the model's sequence are left out."""
     from decoding.engines.base import CachedModel, visible
     if getattr(bundle, "tokens", "discrete") == "continuous":
         return mar_costs(bundle)
     out = {}
     models = {"target": bundle.gpt} | ({"drafter": bundle.drafter} if bundle.drafter is not None else {})
-    dim = bundle.gpt.args.dim
+    dim, positions = bundle.gpt.args.dim, bundle.gpt.rope.shape[0]
+    sizes = [T for T in sizes if T <= positions]
+    known = min(200, positions - max(sizes))
     for name, m in models.items():
-        S = 512
-        cache = CachedModel(m, 2, S, bundle.dtype)
-        cache.valid[:, :200] = True
+        cache = CachedModel(m, 2, positions, bundle.dtype)
+        cache.valid[:, :known] = True
         for T in sizes:
-            slots = (200 + torch.arange(T)).expand(2, T)
+            slots = (known + torch.arange(T)).expand(2, T)
             mask = visible(cache.valid, slots[..., None])
             h = torch.randn(2, T, dim, dtype=bundle.dtype)
             call = (lambda: m.forward_embeds(h, slots, mask, slots)) if name == "target" else \
