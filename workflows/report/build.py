@@ -370,7 +370,7 @@ def figures(runs: list[Run], data: dict, cfg: ReportConfig) -> dict:
 def _cell_maps(d: dict) -> dict:
     m = dict(d["cells"])
     for k in ("tree_depth", "tree_width"):
-        if k in m and not np.nanmax(m[k]) > 0:
+        if k in m and not (np.asarray(m[k]) > 0).any():   # NaN compares False
             del m[k]                                   # not a tree engine: nothing to map
     if not d.get("speculative"):
         m.pop("accepted", None)                        # no speculative step: nothing is accepted
@@ -407,7 +407,8 @@ def example_figures(runs: list[Run], tabs: dict, data: dict, n: int) -> dict:
         got = Q.image_bytes(t, ids)
         items = [(decode(got[p][0]), got[p][1], m) for p in ids if p in got and (m := Q.image_tokens(t, p))]
         if items:
-            depth = max((float(np.nanmax(m["tree_depth"])) for _, _, m in items if "tree_depth" in m), default=1)
+            depths = [m["tree_depth"] for _, _, m in items if "tree_depth" in m]   # NaN off tree steps
+            depth = max((float(np.nanmax(d)) for d in depths if np.isfinite(d).any()), default=1)
             out[r.label] = plots.examples(r.label, items, depth)
     return out
 
