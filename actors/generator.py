@@ -15,7 +15,7 @@ import pyarrow as pa
 import torch
 
 from actors.store import at
-from actors.output import ERROR_SCHEMA, IMAGE_SCHEMA, png_bytes, token_table, write_part
+from actors.output import IMAGE_SCHEMA, error_table, png_bytes, token_table, write_part
 from decoding.engines import build_engine
 from decoding.engines.requests import Outcome, Request, RequestQueue
 from decoding.registry import NOTES, load_bundle
@@ -150,9 +150,7 @@ class Generator:
             log.warning(f"prompt {it['prompt_id']!r} failed: {msg}")
         gen_s = sum(r.wall_s for _, r in done)           # engine time attributed to this part's images
         w0 = time.perf_counter()
-        errors = pa.Table.from_pylist([{"prompt_id": it["prompt_id"], "prompt": it["prompt"], "seed": it["seed"],
-                                        "engine": self.engine.name, "error": msg, "part": part}
-                                       for it, msg in failed], schema=ERROR_SCHEMA)
+        errors = error_table([it for it, _ in failed], [msg for _, msg in failed], self.engine.name, part)
         files = write_part(self.out_dir, part, self._images(done, part),
                    token_table([it["prompt_id"] for it, _ in done], [r.records for _, r in done], self.engine.name),
                    errors, self.token)

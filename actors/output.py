@@ -154,6 +154,17 @@ ERROR_SCHEMA = _schema([
 ])
 
 
+def error_table(items: list[dict], errors: list[str], engine: str, part: str) -> pa.Table:
+    """A part's error rows, one per failed prompt (`items` and their `errors`). A prompt that is not text
+    (a number, list or object in a JSON prompt file, which fails as "not text") is written as its JSON
+    text: the `prompt` column is a string, and the row must be written whatever the input held."""
+    def text(p):
+        return p if p is None or isinstance(p, str) else json.dumps(p, default=str)
+    return pa.Table.from_pylist([{"prompt_id": it["prompt_id"], "prompt": text(it["prompt"]), "seed": it["seed"],
+                                  "engine": engine, "error": msg, "part": part} for it, msg in zip(items, errors)],
+                                schema=ERROR_SCHEMA)
+
+
 def _column(values: np.ndarray, c) -> pa.Array:
     """One tokens-table column; values equal to the column's `null` marker become nulls."""
     mask = None if c.null is None else values == c.null

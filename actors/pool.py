@@ -23,13 +23,12 @@ import time
 from collections import deque
 from pathlib import Path
 
-import pyarrow as pa
 import ray
 from ray.exceptions import RayActorError, RayTaskError
 
 from actors.generator import Generator, PartResult
 from actors.store import is_remote
-from actors.output import (ERROR_SCHEMA, IMAGE_SCHEMA, TOKEN_SCHEMA, JobExit, append_manifest, check_lock,
+from actors.output import (IMAGE_SCHEMA, TOKEN_SCHEMA, JobExit, append_manifest, check_lock, error_table,
                            check_part, manifest_entry, part_name, write_part)
 
 log = logging.getLogger("arspec.job")
@@ -64,10 +63,8 @@ class Progress:
 
 
 def _error_part(out_dir: Path, part: str, items: list[dict], engine: str, reason: str, token=None) -> PartResult:
-    rows = [{"prompt_id": it["prompt_id"], "prompt": it["prompt"], "seed": it["seed"], "engine": engine,
-             "error": reason, "part": part} for it in items]
     files = write_part(out_dir, part, IMAGE_SCHEMA.empty_table(), TOKEN_SCHEMA.empty_table(),
-                       pa.Table.from_pylist(rows, schema=ERROR_SCHEMA), token)
+                       error_table(items, [reason] * len(items), engine, part), token)
     return PartResult(part, [it["prompt_id"] for it in items], 0, len(items), acceptance="",
                       error_messages=[reason] * len(items), files=files)
 

@@ -223,6 +223,21 @@ def test_failing_prompts_become_error_rows(ray_cluster, tiny_weights, tmp_path):
     assert set(images(tmp_path / "run").prompt_id) == {"ok1", "ok2"}
 
 
+def test_prompts_that_are_not_text_become_error_rows_with_their_json(ray_cluster, tiny_weights, tmp_path):
+    """A JSON-lines file holds any JSON value as a prompt: a number, a list, an object, a boolean. Each
+    fails alone as "not text" and its error row holds the value's JSON text; the good prompt is an image
+    and the job ends normally. (A list once failed the whole part, four times, and killed the job.)"""
+    bad = [5.5, ["a", "b"], {"shape": "circle"}, True]
+    data = tmp_path / "p.jsonl"
+    data.write_text("".join(json.dumps({"id": f"p{i}", "prompt": p}) + "\n" for i, p in enumerate([*bad, "a red circle"])))
+    s = job(*base(tiny_weights, tmp_path / "run", "data=file", f"data.path={data}", "data.id_column=id",
+                  "cluster.batch_size=4"))
+    assert (s["images"], s["errors"]) == (1, 4)
+    err = pq.read_table(tmp_path / "run" / "errors").to_pandas().set_index("prompt_id").sort_index()
+    assert err.prompt.tolist() == [json.dumps(p) for p in bad] and err.error.str.contains("not text").all()
+    assert images(tmp_path / "run").prompt_id.tolist() == ["p4"]
+
+
 @pytest.mark.parametrize("overrides, message", [
     (["engine=nope"], "engine=nope: no such engine; choose one of adt_tree, auto, cspd, eagle2, mar, mc_sjd, sjd, vanilla"),
     (["engine.name=nope"], "engine.name='nope' is not an engine"),
