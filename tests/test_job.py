@@ -247,6 +247,10 @@ def test_prompts_that_are_not_text_become_error_rows_with_their_json(ray_cluster
     (["engine=eagle2", "engine.depth=deep"], "engine.depth='deep': Value 'deep' of type 'str' could not be converted to Integer"),
     (["engine.sampling.top_p=2"], "engine.sampling.top_p=2.0: must be in (0, 1]"),
     (["model.weights=/x"], "model.weights: ShapesConfig has no setting 'weights'"),
+    # '+' adds a key Hydra would refuse: refused all the same, never dropped in silence
+    (["+engine.chian=4"], "engine.chian: AutoConfig has no setting 'chian'; its settings are costs, name, sampling"),
+    (["+engine.sampling.tempreature=2"], "engine.sampling.tempreature: SamplingParams has no setting 'tempreature'; "
+                                        "did you mean engine.sampling.temperature?"),
     (["model.weights_dir=/nonexistent"], "model.weights_dir=/nonexistent lacks"),
     (["data=file", "data.path=/nonexistent.csv"], "data.path=/nonexistent.csv: no such file"),
     (["data=file", f"data.path={REPO / 'pyproject.toml'}"], "unknown format '.toml'"),

@@ -130,10 +130,37 @@ def to_object(cfg):
     """The typed config (dataclasses) of a composed Hydra config; a value a dataclass refuses in its
     __post_init__ (e.g. engine.sampling.top_p=2) is a ConfigError."""
     from omegaconf import OmegaConf
+    unknown = _unknown_key(cfg)
+    if unknown:
+        raise ConfigError(unknown)
     try:
         return OmegaConf.to_object(cfg)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+
+
+def _unknown_key(node, prefix: str = "") -> str | None:
+    """The first key a dataclass-typed node does not declare, as one line (None: none). Hydra refuses
+    `engine.chian=4`, but `+engine.chian=4` adds the key to the node, and OmegaConf.to_object would then
+    drop it without a word: a typo would run the job on the default instead."""
+    import dataclasses
+    import difflib
+    from omegaconf import DictConfig, OmegaConf
+    if not isinstance(node, DictConfig):
+        return None
+    owner = OmegaConf.get_type(node)
+    known = {f.name for f in dataclasses.fields(owner)} if dataclasses.is_dataclass(owner) else None
+    for key, child in node.items_ex(resolve=False):
+        full = f"{prefix}{key}"
+        if known is not None and key not in known and full != "hydra":
+            near = difflib.get_close_matches(str(key), sorted(known), n=1)
+            hint = f"did you mean {prefix}{near[0]}?" if near else f"its settings are {', '.join(sorted(known))}"
+            return f"{full}: {owner.__name__} has no setting {str(key)!r}; {hint}"
+        if isinstance(child, DictConfig):
+            found = _unknown_key(child, f"{full}.")
+            if found:
+                return found
+    return None
 
 
 def cli(main: Callable[[], Any]) -> None:
