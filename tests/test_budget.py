@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -224,7 +225,14 @@ def test_a_given_cost_table_is_all_an_engine_decides_from(tmp_path, monkeypatch)
         build_engine(bundle, engine_config("adt_tree", costs=str(tmp_path / "nowhere.json")))
     (tmp_path / "bad.json").write_text('{"rows": [2]}')
     with pytest.raises(ValueError, match=r"^engine.costs=.*bad.json: not a cost table"):
-        build_engine(bundle, engine_config("adt_tree", costs=str(tmp_path / "bad.json")))
+        engine_config("adt_tree", costs=str(tmp_path / "bad.json"))       # validate: the driver, before actors
+    nan = cost_file(tmp_path, target=lambda R, T: float("nan") if T == 8 else 1.0, name="nan.json")
+    with pytest.raises(ValueError, match=r"^engine.costs=.*nan.json: target_ms must hold finite numbers"):
+        engine_config("auto", costs=nan)
+    table = json.loads(Path(COSTS).read_text())
+    (tmp_path / "rows.json").write_text(json.dumps({**table, "rows": table["rows"][::-1]}))
+    with pytest.raises(ValueError, match=r"^engine.costs=.*rows.json: rows and tokens must be increasing"):
+        engine_config("adt_tree", costs=str(tmp_path / "rows.json"))
 
 
 def alternate(engine, pattern):

@@ -252,6 +252,7 @@ def test_prompts_that_are_not_text_become_error_rows_with_their_json(ray_cluster
     (["+engine.sampling.tempreature=2"], "engine.sampling.tempreature: SamplingParams has no setting 'tempreature'; "
                                         "did you mean engine.sampling.temperature?"),
     (["model.weights_dir=/nonexistent"], "model.weights_dir=/nonexistent lacks"),
+    ([f"engine.costs={REPO / 'README.md'}"], "README.md: not a cost table"),     # before any actor starts
     (["data=file", "data.path=/nonexistent.csv"], "data.path=/nonexistent.csv: no such file"),
     (["data=file", f"data.path={REPO / 'pyproject.toml'}"], "unknown format '.toml'"),
     (["cluster.batch_size=0"], "cluster.batch_size=0: must be >= 1"),

@@ -255,6 +255,13 @@ def given(path: str) -> CostTable:
     if not t.rows or any(len(g) != shape[0] or any(len(x) != shape[1] for x in g) for g in (t.target_ms, t.drafter_ms)):
         raise ValueError(f"engine.costs={path}: target_ms and drafter_ms must be [rows][tokens] = "
                          f"[{shape[0]}][{shape[1]}]")
+    for name, values, floor in (("rows", t.rows, 1), ("tokens", t.tokens, 1), ("target_ms", t.target_ms, 1e-9),
+                                ("drafter_ms", t.drafter_ms, 0)):
+        flat = np.asarray(values, dtype=float).ravel()
+        if not (np.isfinite(flat).all() and (flat >= floor).all()):
+            raise ValueError(f"engine.costs={path}: {name} must hold finite numbers >= {floor:g}")
+    if sorted(set(t.rows)) != list(t.rows) or sorted(set(t.tokens)) != list(t.tokens):
+        raise ValueError(f"engine.costs={path}: rows and tokens must be increasing, without repeats")
     return t
 
 

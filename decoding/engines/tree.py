@@ -81,6 +81,8 @@ class TreeConfig(EngineConfig):
             raise ValueError(f"engine.coupling={self.coupling!r}: use one of {', '.join(COUPLINGS)}")
         if self.init not in INITS:
             raise ValueError(f"engine.init={self.init!r}: use one of {', '.join(INITS)}")
+        if self.costs:
+            given(self.costs)                # a table that cannot be read fails here, before any actor loads
         if self.acceptance == "lantern" and self.coupling != RACE:
             raise ValueError(f"engine.acceptance=lantern relaxes matched drafts; engine.coupling={self.coupling} "
                              f"verifies by speculative sampling: use engine.coupling={RACE} or acceptance=exact")
