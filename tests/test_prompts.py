@@ -41,6 +41,25 @@ def test_formats(tmp_path, fmt):
         assert [r["prompt_id"] for r in rows] == ["x1", "x2"]
 
 
+@pytest.mark.parametrize("fmt", ["csv", "tsv", "jsonl", "json"])
+def test_a_byte_order_mark_is_not_part_of_the_first_column(tmp_path, fmt):
+    """Spreadsheets and Windows editors save UTF-8 with a byte order mark: it is not part of the header's
+    first name (a CSV's "prompt" column was not found) nor of a JSON document."""
+    p = write(tmp_path, fmt)
+    cfg = DataConfig(name="file", path=str(p), id_column=None if fmt == "json" else "id")
+    plain = read_prompts(cfg)
+    p.write_bytes(b"\xef\xbb\xbf" + p.read_bytes())
+    assert read_prompts(cfg) == plain and plain[0]["prompt"] == "a red circle"
+
+
+def test_a_file_that_is_not_utf8_is_one_line_naming_the_fix(tmp_path):
+    p = tmp_path / "latin.csv"
+    p.write_bytes("prompt\na red circle\nun cercle rouge foncé\n".encode("latin-1"))
+    with pytest.raises(ConfigError) as e:
+        read_prompts(DataConfig(name="file", path=str(p)))
+    assert str(e.value) == f"data.path={p}: not UTF-8 text (it holds byte 0xe9, e.g. Latin-1): save it as UTF-8"
+
+
 def test_integer_prompts_are_class_ids_carried_as_digits(tmp_path):
     """A class-conditional prompt set may hold integers (class ids): the job carries them as their digits,
     the text every table's prompt column holds; booleans are not class ids."""

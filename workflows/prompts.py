@@ -63,8 +63,8 @@ def text(path, newline=None):
     """A text file opened for streaming, from a disk or an object store (actors/store.py)."""
     from actors.store import ObjPath
     if isinstance(path, ObjPath):
-        return io.TextIOWrapper(io.BufferedReader(path.stream()), encoding="utf-8", newline=newline)
-    return open(path, encoding="utf-8", newline=newline)
+        return io.TextIOWrapper(io.BufferedReader(path.stream()), encoding="utf-8-sig", newline=newline)
+    return open(path, encoding="utf-8-sig", newline=newline)
 
 
 def source(path):
@@ -132,6 +132,9 @@ class PromptSource:
             return fn(*args)
         except ConfigError:
             raise
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"data.path={self.cfg.path}: not UTF-8 text (it holds byte "
+                              f"{e.object[e.start]:#x}, e.g. Latin-1): save it as UTF-8") from None
         except Exception as e:
             raise ConfigError(f"data.path={self.cfg.path}: cannot read it as {self.path.suffix}: {type(e).__name__}: "
                               f"{str(e).splitlines()[0] if str(e) else ''}") from None
@@ -175,7 +178,7 @@ class PromptSource:
                         yield row
         else:  # .json: one document, read whole
             if getattr(self, "_json", None) is None:
-                data = json.loads(self.path.read_text(encoding="utf-8"))
+                data = json.loads(self.path.read_text(encoding="utf-8-sig"))
                 if not isinstance(data, list):
                     raise ValueError("a .json prompt file must hold a list of strings or of objects")
                 self._json = data
