@@ -256,6 +256,7 @@ def test_prompts_that_are_not_text_become_error_rows_with_their_json(ray_cluster
     (["data=file", "data.path=/nonexistent.csv"], "data.path=/nonexistent.csv: no such file"),
     (["data=file", f"data.path={REPO / 'pyproject.toml'}"], "unknown format '.toml'"),
     (["cluster.batch_size=0"], "cluster.batch_size=0: must be >= 1"),
+    (["cluster.torch_threads=0"], "cluster.torch_threads=0: must be >= 1"),
     (["engine=adt_tree", "engine.d_max=1"], "d_min <= depth <= d_max"),
 ])
 def test_config_errors_fail_at_once_with_one_line(tmp_path, tiny_weights, overrides, message):

@@ -157,7 +157,7 @@ def validate(c: GenerateConfig) -> None:
     from decoding.engines import check_engine
     from decoding.registry import family, inspect_model
     cl = c.cluster
-    for key in ("num_actors", "batch_size", "part_size"):
+    for key in ("num_actors", "batch_size", "part_size", "torch_threads", "local_num_cpus"):
         if getattr(cl, key) is not None and getattr(cl, key) < 1:
             raise ConfigError(f"cluster.{key}={getattr(cl, key)}: must be >= 1")
     if c.verify not in ("quick", "full"):
