@@ -414,6 +414,18 @@ def test_report_end_to_end(tmp_path):
     assert s["vanilla"]["acceptance"] == "exact"
 
 
+def test_a_run_whose_every_prompt_failed_gets_a_page_of_its_errors(tmp_path):
+    """Every prompt an error row (an empty images part, as the job commits it): the page lists the errors
+    and says why each figure is missing; it once died drawing an empty τ histogram."""
+    from workflows.report import ReportConfig, build
+    _write_run(tmp_path, "failed", "adt_tree", [], {k: [] for k in SPEC}, errors=[
+        {"prompt_id": "x", "prompt": "", "seed": 1, "engine": "adt_tree", "error": "empty prompt", "part": "p"}])
+    out = build([tmp_path / "failed"], ReportConfig(out=str(tmp_path / "report")), command="test")
+    page = (out / "index.html").read_text()
+    assert "empty prompt" in page and "no run has an image yet (only error rows)" in page
+    assert [e["prompts"] for e in json.loads((out / "summary.json").read_text())["runs"][0]["errors"]] == [1]
+
+
 def test_cli_refuses_a_missing_folder_in_one_line(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "workflows.analyze", f"run_dir={tmp_path / 'nope'}"], cwd=REPO,
                           capture_output=True, text=True, timeout=120)

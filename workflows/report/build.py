@@ -317,7 +317,9 @@ def _distance_table(runs, data) -> str:
 # -- figures -------------------------------------------------------------------------------------------
 def figures(runs: list[Run], data: dict, cfg: ReportConfig) -> dict:
     col = plots.colours([r.label for r in runs])
-    figs = {"tau": plots.tau_hist({r.label: data[r.label]["tau"] for r in runs}, col)}
+    taus = {r.label: data[r.label]["tau"] for r in runs}
+    figs = {"tau": plots.tau_hist(taus, col)} if any(len(v) for v in taus.values()) else \
+        {"why_tau": "no run has an image yet (only error rows)"}
     vs = {r.label: data[r.label]["versus"] for r in runs if data[r.label]["versus"]}
     if vs:
         figs["versus"] = plots.versus(vs, {r.label: r.baseline.label for r in runs if r.baseline}, col)
