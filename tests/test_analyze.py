@@ -15,6 +15,7 @@ import pytest
 
 from actors.output import ERROR_SCHEMA, IMAGE_SCHEMA, TOKEN_SCHEMA, png_bytes
 from tests.conftest import REPO
+from workflows.config import ConfigError
 from workflows.report import distance, queries as Q
 from workflows.report.images import flat_cells, scan
 from workflows.report.runs import find_runs, load_runs, pair_baselines
@@ -424,6 +425,22 @@ def test_a_run_whose_every_prompt_failed_gets_a_page_of_its_errors(tmp_path):
     page = (out / "index.html").read_text()
     assert "empty prompt" in page and "no run has an image yet (only error rows)" in page
     assert [e["prompts"] for e in json.loads((out / "summary.json").read_text())["runs"][0]["errors"]] == [1]
+
+
+@pytest.mark.parametrize("table", ["images", "tokens"])
+def test_a_damaged_part_is_one_line_naming_the_way_out(tmp_path, table):
+    """A part cut short after the job committed it (a copy that stopped half-way): one line that points to
+    workflows.verify, not a DuckDB or Arrow traceback."""
+    from workflows.report import ReportConfig, build
+    run = _write_run(tmp_path, "cut", "eagle2", SPEC_IMAGES, SPEC)
+    part = run / table / "part-0.parquet"
+    part.write_bytes(part.read_bytes()[:200])
+    with pytest.raises(ConfigError) as e:
+        build([run], ReportConfig(out=str(tmp_path / "report")), command="test")
+    line = str(e.value)
+    assert line.startswith("run_dirs: a part file cannot be read (") and "\n" not in line
+    assert line.endswith("`python -m workflows.verify out_dir=RUN` lists a run's damaged parts, and the job's "
+                         "next run over that out_dir regenerates them")
 
 
 def test_cli_refuses_a_missing_folder_in_one_line(tmp_path):

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Optional
 
 import numpy as np
+import pyarrow as pa
 
 from workflows.config import ConfigError
 from workflows.report import distance, html as H, plots, queries as Q
@@ -439,7 +440,16 @@ def _jsonable(x):
 
 def build(paths: list, cfg: ReportConfig, command: str | None = None) -> Path:
     """Write <out>/index.html, <out>/summary.json and <out>/figures/*.png for the runs under `paths`;
-    returns <out>."""
+    returns <out>. A part file that cannot be read is one line that names it and the way out."""
+    try:
+        return _build(paths, cfg, command)
+    except (Q.duckdb.Error, pa.ArrowException) as e:
+        raise ConfigError(f"run_dirs: a part file cannot be read ({str(e).splitlines()[0]}); `python -m "
+                          f"workflows.verify out_dir=RUN` lists a run's damaged parts, and the job's next run "
+                          f"over that out_dir regenerates them") from None
+
+
+def _build(paths: list, cfg: ReportConfig, command: str | None) -> Path:
     found = find_runs(paths)
     runs = load_runs(found, list(cfg.baselines))
     skipped = [r.label for r in runs if r.glob("images") is None]        # nothing committed yet
