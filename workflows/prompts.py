@@ -199,6 +199,9 @@ class PromptSource:
             text, split = _prompt(r.get(pcol)), r.get("split")
             if id_col and id_col not in r:
                 raise ConfigError(f"data.id_column={id_col!r}: row {i} of {self.cfg.path} has no such field")
+            if id_col and (r[id_col] is None or str(r[id_col]).strip() == ""):
+                raise ConfigError(f"data.id_column={id_col!r}: row {i} of {self.cfg.path} has an empty id "
+                                  f"({r[id_col]!r}); give every row an id, or leave data.id_column unset")
             yield {"prompt_id": str(r[id_col]) if id_col else derived_id(i, text), "prompt": text,
                    "split": None if split is None else str(split)}
 
