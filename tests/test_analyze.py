@@ -427,6 +427,15 @@ def test_a_run_whose_every_prompt_failed_gets_a_page_of_its_errors(tmp_path):
     assert [e["prompts"] for e in json.loads((out / "summary.json").read_text())["runs"][0]["errors"]] == [1]
 
 
+def test_a_prompt_with_dollar_signs_is_drawn_as_written(tmp_path):
+    """Matplotlib reads $...$ as TeX: a prompt with "$\\frac{$" stopped the report with a parse error."""
+    from workflows.report import ReportConfig, build
+    images = [{**SPEC_IMAGES[0], "prompt": "a red circle for $5, $\\frac{$ and $x^$"}, SPEC_IMAGES[1]]
+    run = _write_run(tmp_path, "dollars", "eagle2", images, SPEC)
+    out = build([run], ReportConfig(out=str(tmp_path / "report"), examples=2, scorer=False), command="test")
+    assert (out / "figures" / "examples_dollars.png").stat().st_size > 0
+
+
 @pytest.mark.parametrize("table", ["images", "tokens"])
 def test_a_damaged_part_is_one_line_naming_the_way_out(tmp_path, table):
     """A part cut short after the job committed it (a copy that stopped half-way): one line that points to
