@@ -501,6 +501,8 @@ def test_bench_rounds_rotate_the_engines_and_count_every_image(monkeypatch, tiny
                                           f"model.weights_dir={tiny_weights}", "model.dtype=float32",
                                           '+variants.again=["engine=vanilla"]'])
         bad = compose("bench", overrides=["rounds=0"])
+        refused = {o: compose("bench", overrides=[o]) for o in ("prompts=0", "batch_sizes=[4,0]", "threads=0",
+                                                                   "engines=[vanilla,nope]")}
         with pytest.raises(Exception) as unknown:                   # the bench's config has no schema class
             compose("bench", overrides=["out_dir=/tmp/x"])
     assert one_line(unknown.value) == ("out_dir: the config has no setting 'out_dir'; its settings are baseline, batch_size, "
@@ -508,5 +510,8 @@ def test_bench_rounds_rotate_the_engines_and_count_every_image(monkeypatch, tiny
     report = bench.run_bench(cfg)
     assert calls[0] == [0, 1, 1, 0]                             # engine 0 first, then engine 1 first
     assert {n: r["images"] for n, r in report["results"]["all"].items()} == {"vanilla": 4, "again": 4}
-    with pytest.raises(SystemExit, match="rounds=0: must be >= 1"):
+    with pytest.raises(ConfigError, match="rounds=0: must be >= 1"):
         bench.run_bench(bad)
+    for override, cfg in refused.items():                       # each one line, before anything loads
+        with pytest.raises(ConfigError, match=re.escape(override.split("=")[0] + "=")):
+            bench.check(cfg)

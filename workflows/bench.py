@@ -31,7 +31,7 @@ from decoding.registry import family, load_bundle
 from decoding.sampling import prompt_seed
 from decoding.shapes.scorer import mean_adherence, score_prompts
 from decoding.shapes.world import builtin_prompts
-from workflows.config import cli, one_line_errors, register, to_object
+from workflows.config import ConfigError, cli, one_line_errors, register, to_object
 
 log = logging.getLogger("arspec.bench")
 CONF = Path(__file__).resolve().parents[1] / "conf"
@@ -162,15 +162,26 @@ def _ceiling(cfg: DictConfig, e, rows: list[dict]) -> float:
     return round(float(np.mean([r["tau"] for r in rows])) * e.costs.target(R, 1) / e.costs.target(R, 1 + e.cfg.chain), 3)
 
 
-def run_bench(cfg: DictConfig) -> dict:
-    torch.set_num_threads(cfg.threads)
-    if cfg.rounds < 1:
-        raise SystemExit(f"rounds={cfg.rounds}: must be >= 1 (times each engine runs the prompts)")
-    chosen = list(cfg.engines or cfg.variants)
-    unknown = [n for n in chosen if n not in cfg.variants]
+def check(cfg: DictConfig) -> None:
+    """The bench's own settings, each refused in one line (ConfigError) before anything loads."""
+    for key, what in (("rounds", "times each engine runs the prompts"), ("prompts", "built-in prompts to run"),
+                      ("threads", "torch threads")):
+        if cfg[key] < 1:
+            raise ConfigError(f"{key}={cfg[key]}: must be >= 1 ({what})")
+    sizes = list(cfg.batch_sizes or [cfg.batch_size])
+    if min(sizes) < 1:
+        name = f"batch_sizes={sizes}: each" if cfg.batch_sizes else f"batch_size={cfg.batch_size}:"
+        raise ConfigError(f"{name} must be >= 1 (prompts decoded at once)")
+    unknown = [n for n in (cfg.engines or []) if n not in cfg.variants]
     if unknown:
-        raise SystemExit(f"engines={chosen}: no variant {unknown}; defined: {list(cfg.variants)} "
-                         f"(add one with +variants.NAME=[overrides])")
+        raise ConfigError(f"engines={list(cfg.engines)}: no variant {unknown}; defined: {list(cfg.variants)} "
+                          f"(add one with +variants.NAME=[overrides])")
+
+
+def run_bench(cfg: DictConfig) -> dict:
+    check(cfg)
+    torch.set_num_threads(cfg.threads)
+    chosen = list(cfg.engines or cfg.variants)
     if cfg.baseline not in chosen:
         chosen.insert(0, cfg.baseline)
     bundles, engines, scorers = _engines(cfg, chosen)
@@ -342,6 +353,7 @@ def plot_by_batch(results: dict, path: Path) -> None:
 @hydra.main(version_base="1.3", config_path="../conf", config_name="bench")
 @one_line_errors
 def main(cfg: DictConfig) -> None:
+    check(cfg)
     sizes = list(cfg.batch_sizes or [cfg.batch_size])
     out = Path(cfg.out)
     out.parent.mkdir(parents=True, exist_ok=True)
