@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from decoding.engines import ENGINES
 from decoding.registry import families
 from tests.conftest import REPO
@@ -97,3 +99,16 @@ def test_the_cpu_bench_hint_says_what_it_does_as_it_goes(caplog):
         default = compose("bench_gpu")
     assert bench_gpu.too_big(default, torch.device("cpu")) == ["GPT-L", "GPT-XL"]    # warned of, with CPU_RUN
     assert bench_gpu.too_big(cfg, torch.device("cpu")) == []
+
+
+@pytest.mark.parametrize("module, args, message", [
+    ("workflows.bench", ["batch_sizes=[4,0]"], "batch_sizes=[4, 0]: each must be >= 1"),
+    ("workflows.bench_plan", ["sizes=[0]"], "sizes=[0]: give prompt counts >= 1"),
+    ("workflows.bench_analyze", ["images=0"], "images=0: must be >= 1"),
+    ("workflows.bench_job", ["cluster.bach_size=4"], "cluster.bach_size: ClusterConfig has no setting 'bach_size'"),
+])
+def test_every_benchmark_cli_refuses_a_bad_setting_in_one_line(module, args, message):
+    """Each benchmark command is a CLI too: a bad setting exits 2 with one line, before any work."""
+    r = subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, timeout=120, cwd=REPO,
+                       env={**os.environ, "HYDRA_FULL_ERROR": "0", "OMP_NUM_THREADS": "1"})
+    assert message in one_error_line(r)

@@ -208,7 +208,17 @@ def measure(argv: list[str]) -> dict:
             "stdout": proc.stdout, "stderr": proc.stderr}
 
 
+def check(c: BenchAnalyzeConfig) -> None:
+    """Settings refused in one line (ConfigError) before any run is written."""
+    for key in ("images", "images_per_part", "pool"):
+        if getattr(c, key) < 1:
+            raise ConfigError(f"{key}={getattr(c, key)}: must be >= 1")
+    if not c.engines:
+        raise ConfigError("engines=[]: give at least one of vanilla, adt_tree, eagle2, lantern, cspd_like")
+
+
 def run(c: BenchAnalyzeConfig) -> dict:
+    check(c)
     runs, gen_s = ensure_runs(c)
     out = Path(c.dir) / "report"
     # the import baseline first: ru_maxrss of children is a maximum, so the smaller child goes first

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from hydra import compose, initialize_config_dir
 
-from workflows.config import register, to_object
+from workflows.config import cli, register, to_object
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 register()
@@ -84,4 +84,4 @@ def main(argv: list[str]) -> dict:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    cli(lambda: main(sys.argv[1:]))

@@ -19,6 +19,8 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
+from workflows.config import ConfigError, cli, one_line_errors
+
 ROW_GROUP = 100_000
 
 
@@ -61,7 +63,10 @@ def measure(path: Path, out_dir: Path, id_column: bool) -> dict:
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="bench_plan")
+@one_line_errors
 def main(cfg: DictConfig) -> None:
+    if not cfg.sizes or min(cfg.sizes) < 1:
+        raise ConfigError(f"sizes={list(cfg.sizes or [])}: give prompt counts >= 1, e.g. sizes=[100000]")
     d = Path(cfg.dir)
     d.mkdir(parents=True, exist_ok=True)
     rows = []
@@ -81,4 +86,4 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    cli(main)
