@@ -24,6 +24,12 @@ class AutoConfig(EngineConfig):
     # a cost table to decide from (as the tree engines' engine.costs); empty: measured once on the device
     costs: str = ""
 
+    def validate(self) -> None:
+        super().validate()
+        if self.costs:
+            from decoding.engines.cost import given
+            given(self.costs)                # a table that cannot be read fails here, before any actor loads
+
 
 def resolve(cfg: AutoConfig, tokens: str, has_drafter: bool) -> EngineConfig:
     """The settings of the engine `engine=auto` runs for a model of `tokens` ("discrete" or "continuous")
