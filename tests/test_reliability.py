@@ -319,21 +319,23 @@ def test_permission_denied_is_one_line_naming_the_path(reference, tiny_weights, 
     assert e.value.code == 3 and "\n" not in str(e.value)
 
 
-def test_sigterm_stops_within_grace_and_rerun_is_exact(reference, tiny_weights, tmp_path, after_parts):
-    """SIGTERM mid-job (what spot instances and schedulers send): no new batches, in-flight ones get
-    cluster.grace_s (0 here: dropped at once), then Preempted (exit 143). The rerun completes exactly."""
+@pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)], ids=["SIGTERM", "SIGINT"])
+def test_sigterm_stops_within_grace_and_rerun_is_exact(reference, tiny_weights, tmp_path, after_parts, sig, code):
+    """SIGTERM mid-job (what spot instances and schedulers send), or Ctrl-C (SIGINT): no new batches,
+    in-flight ones get cluster.grace_s (0 here: dropped at once), then Preempted (exit 143, or 130 after
+    Ctrl-C). The rerun completes exactly."""
     out = tmp_path / "run"
     unhandled = []
-    previous = signal.signal(signal.SIGTERM, lambda *_: unhandled.append(1))   # what the job must replace
-    after_parts(2, lambda: os.kill(os.getpid(), signal.SIGTERM))
+    previous = signal.signal(sig, lambda *_: unhandled.append(1))   # what the job must replace
+    after_parts(2, lambda: os.kill(os.getpid(), sig))
     try:
-        with pytest.raises(Preempted, match=r"stopped \(SIGTERM\): .* left; rerun the same command"):
+        with pytest.raises(Preempted, match=rf"stopped \({sig.name}\): .* left; rerun the same command") as e:
             job(*args(tiny_weights, out, N, "cluster.batch_size=2", "cluster.num_actors=2", "cluster.grace_s=0"))
     finally:
-        signal.signal(signal.SIGTERM, previous)
-    assert not unhandled, "SIGTERM reached the default handler: the job did not handle it"
-    assert Preempted.code == 143
-    assert json.loads((out / "summary.json").read_text())["stopped"] == "SIGTERM"
+        signal.signal(sig, previous)
+    assert not unhandled, f"{sig.name} reached the handler before the job's: the job did not handle it"
+    assert e.value.code == code
+    assert json.loads((out / "summary.json").read_text())["stopped"] == sig.name
     assert not (out / "job.lock").exists()
     done = len(output.inspect(out)[0])
     assert 2 <= done < N // 2

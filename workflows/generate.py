@@ -420,7 +420,7 @@ def _generate(c: GenerateConfig, out_dir, stop, token: Optional[str] = None) -> 
     left = st.pending - summary["images"] - summary["errors"]
     if stop and left:
         raise Preempted(f"[generate] stopped ({stop.reason}): {summary['images'] + summary['errors']} prompts "
-                        f"committed in this run, {left} left; rerun the same command to finish")
+                        f"committed in this run, {left} left; rerun the same command to finish", stop.reason)
     return summary
 
 
@@ -469,6 +469,10 @@ def main(cfg: DictConfig) -> dict:
     except JobExit as e:   # out_dir unwritable (3), held by another job (4), stopped by SIGTERM (143)
         print(f"{e.prefix}{e}", file=sys.stderr)
         sys.exit(e.code)
+    except KeyboardInterrupt:   # a second Ctrl-C (the first stops gracefully: lock.Stop)
+        print("[generate] stopped at once (Ctrl-C): committed parts are kept; rerun the same command to "
+              "finish", file=sys.stderr)
+        sys.exit(130)
 
 
 if __name__ == "__main__":

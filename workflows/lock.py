@@ -54,8 +54,13 @@ class LockHeld(JobExit):
 
 class Preempted(JobExit):
     """The job stopped on SIGTERM (or lost its lock) after its grace period; rerun to finish (exit 143,
-    128 + SIGTERM, as schedulers expect of a job that honours the signal)."""
+    128 + SIGTERM, as schedulers expect of a job that honours the signal; 130 after Ctrl-C)."""
     code, prefix = 143, ""
+
+    def __init__(self, message: str, reason: str | None = None):
+        super().__init__(message)
+        if reason == "SIGINT":
+            self.code = 130
 
 
 def _boot_id() -> str:
@@ -79,25 +84,36 @@ def pid_start(pid: int) -> Optional[str]:
             return ""
 
 
+STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT}
+
+
 @functools.cache
 def _unblock_in_children() -> None:
-    os.register_at_fork(after_in_child=lambda: signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM}))
+    os.register_at_fork(after_in_child=lambda: signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS))
 
 
 class Stop:
-    """Set by SIGTERM or a lost lock: no new batches; in-flight ones may finish until `deadline`."""
+    """Set by SIGTERM, Ctrl-C (SIGINT) or a lost lock: no new batches; in-flight ones may finish until
+    `deadline`. A second Ctrl-C stops at once (KeyboardInterrupt: committed parts are kept)."""
 
     def __init__(self, grace_s: float):
         self.grace_s, self.reason, self.deadline = grace_s, None, float("inf")
         self._previous = None
 
     def catch_sigterm(self) -> None:
-        """SIGTERM requests a stop instead of killing the process (main thread only). Called again
-        after ray.init, whose core worker installs its own SIGTERM handler (it aborts the process)."""
+        """SIGTERM and SIGINT request a stop instead of killing the process (main thread only). Called
+        again after ray.init, whose core worker installs its own SIGTERM handler (it aborts the process)."""
         if threading.current_thread() is threading.main_thread():
-            previous = signal.signal(signal.SIGTERM, lambda *_: self.request("SIGTERM"))
+            previous = {signal.SIGTERM: signal.signal(signal.SIGTERM, lambda *_: self.request("SIGTERM")),
+                        signal.SIGINT: signal.signal(signal.SIGINT, lambda *_: self._interrupt())}
             if self._previous is None:
                 self._previous = previous
+
+    def _interrupt(self) -> None:
+        if self.reason == "SIGINT":
+            raise KeyboardInterrupt
+        self.request("SIGINT")
+        log.warning("[generate] Ctrl-C again stops at once (parts in flight are then redone by the rerun)")
 
     @contextmanager
     def held(self):
@@ -109,16 +125,17 @@ class Stop:
             yield
             return
         _unblock_in_children()
-        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+        signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
         try:
             yield
         finally:
             self.catch_sigterm()
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
 
     def restore(self) -> None:
         if self._previous is not None:
-            signal.signal(signal.SIGTERM, self._previous)
+            for sig, handler in self._previous.items():
+                signal.signal(sig, handler)
             self._previous = None
 
     def request(self, reason: str) -> None:
