@@ -339,8 +339,9 @@ def test_sigterm_stops_within_grace_and_rerun_is_exact(reference, tiny_weights, 
     assert not (out / "job.lock").exists()
     done = len(output.inspect(out)[0])
     assert 2 <= done < N // 2
-    job(*args(tiny_weights, out, N, "cluster.batch_size=2"))
-    assert_exact(out, reference, N)
+    if sig == signal.SIGTERM:        # (the stop is the same code for both signals: one rerun checks it)
+        job(*args(tiny_weights, out, N, "cluster.batch_size=2"))
+        assert_exact(out, reference, N)
 
 
 def test_what_a_writer_killed_mid_part_leaves_is_removed_when_the_job_ends(reference, tiny_weights, tmp_path,
