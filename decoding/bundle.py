@@ -21,6 +21,9 @@ def cpu_has_fast_bf16() -> bool:
     return torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported()
 
 
+DTYPES = ("auto", "float32", "bfloat16", "float16")   # model.dtype's choices
+
+
 def pick_dtype(name: str, device: torch.device) -> torch.dtype:
     """`auto`: bf16 where the hardware has fast bf16 matmuls (CUDA, or such a CPU), else fp32."""
     if name == "auto":

@@ -15,7 +15,7 @@ from typing import Callable, Optional
 
 import torch
 
-from decoding.bundle import ModelBundle
+from decoding.bundle import DTYPES, ModelBundle
 from decoding.sampling import SamplingParams
 
 
@@ -31,6 +31,18 @@ class ModelConfig:
     name: str = "shapes"
     device: str = "auto"      # auto = cuda when this process sees a GPU, else cpu
     dtype: str = "auto"       # auto = bf16 on CUDA or on CPUs with AMX / AVX512-BF16, else fp32; float32 | bfloat16
+
+    def __post_init__(self):
+        """The two settings every family shares, refused in one line before any actor loads a model. Whether
+        the device exists is the actors' to say: a driver without a GPU may drive actors with one."""
+        if self.dtype not in DTYPES:
+            raise ValueError(f"model.dtype={self.dtype!r}: choose one of {', '.join(DTYPES)}")
+        try:
+            kind = torch.device(self.device).type if self.device != "auto" else "auto"
+        except RuntimeError:
+            kind = None
+        if kind not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"model.device={self.device!r}: use auto, cpu, cuda or cuda:N")
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import torch
 from hydra import compose, initialize_config_dir
 
 from tests.conftest import REPO
@@ -257,6 +258,9 @@ def test_prompts_that_are_not_text_become_error_rows_with_their_json(ray_cluster
     (["data=file", f"data.path={REPO / 'pyproject.toml'}"], "unknown format '.toml'"),
     (["cluster.batch_size=0"], "cluster.batch_size=0: must be >= 1"),
     (["cluster.torch_threads=0"], "cluster.torch_threads=0: must be >= 1"),
+    (["model.dtype=float8"], "model.dtype='float8': choose one of auto, float32, bfloat16, float16"),
+    *([(["model.device=cuda"], "model.device=cuda: this machine has no GPU torch can use")]
+      if not torch.cuda.is_available() else []),                       # (where the private Ray's actors run)
     (["engine=adt_tree", "engine.d_max=1"], "d_min <= depth <= d_max"),
 ])
 def test_config_errors_fail_at_once_with_one_line(tmp_path, tiny_weights, overrides, message):

@@ -266,3 +266,15 @@ def test_filters():
     assert torch.allclose(hot, (logits / 2).softmax(-1))
     with pytest.raises(ValueError, match="top_p"):
         SamplingParams(top_p=0)
+
+
+def test_model_dtype_and_device_are_refused_in_one_line_before_anything_loads():
+    """Every family's config: a dtype or device torch would refuse only in the actors (a KeyError, a
+    RuntimeError after the actors started) is one line naming the setting and its choices."""
+    from decoding.registry import families
+    for fam in families().values():
+        with pytest.raises(ValueError, match=r"^model.dtype='float8': choose one of auto, float32, bfloat16, float16$"):
+            fam.config(dtype="float8")
+        with pytest.raises(ValueError, match=r"^model.device='mps': use auto, cpu, cuda or cuda:N$"):
+            fam.config(device="mps")
+        assert fam.config(device="cuda:1", dtype="float16").device == "cuda:1"   # whether it exists: the actors'

@@ -171,6 +171,11 @@ def validate(c: GenerateConfig) -> None:
         raise ConfigError("cluster.num_cpus_per_actor / num_gpus_per_actor: must be >= 0")
     if cl.num_cpus_per_actor <= 0 and cl.num_gpus_per_actor <= 0:
         raise ConfigError("cluster.num_cpus_per_actor and cluster.num_gpus_per_actor are both 0: give actors a slot")
+    if cl.address is None and c.model.device.startswith("cuda"):
+        import torch
+        if not torch.cuda.is_available():    # a private Ray runs its actors here (a cluster's may have GPUs)
+            raise ConfigError(f"model.device={c.model.device}: this machine has no GPU torch can use; use "
+                              f"model.device=auto (cpu here), or attach to a cluster with GPUs (cluster.address)")
     try:
         info = inspect_model(c.model)
         check_engine(c.engine, family(c.model.name).tokens, info["drafter"] if info else True, c.model.name)
