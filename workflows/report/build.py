@@ -440,7 +440,7 @@ def _jsonable(x):
 
 def build(paths: list, cfg: ReportConfig, command: str | None = None) -> Path:
     """Write <out>/index.html, <out>/summary.json and <out>/figures/*.png for the runs under `paths`;
-    returns <out>. A part file that cannot be read is one line that names it and the way out."""
+    returns <out>. A part file that cannot be read is one line: the reader's message and the way out."""
     try:
         return _build(paths, cfg, command)
     except (Q.duckdb.Error, pa.ArrowException) as e:

@@ -14,8 +14,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import matplotlib.ticker  # noqa: E402
 import numpy as np  # noqa: E402
 
-# text.parse_math off: prompts and run names are drawn as written (a prompt "for $5 and $10" was set as
-# math, and one with "$\frac{$" stopped the report with a TeX parse error)
+# text.parse_math off: prompts and run names are text, drawn as written; a `$` in them is not TeX
 plt.rcParams.update({"font.size": 10, "axes.titlesize": 11, "axes.labelsize": 10, "legend.fontsize": 9,
                      "figure.dpi": 100, "axes.grid": True, "grid.alpha": 0.3, "text.parse_math": False})
 
