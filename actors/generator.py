@@ -1,5 +1,5 @@
 """The generator actor: loads the model bundle and the engine once, then turns batches of prompts
-into committed Parquet parts, decoding them with continuous batching across parts. Plain Python (pool.py wraps it with ray.remote), so it also runs in
+into committed Parquet parts, decoding them with continuous batching. Plain Python (pool.py wraps it with ray.remote), so it also runs in
 process for benchmarks and debugging."""
 from __future__ import annotations
 
@@ -79,11 +79,11 @@ class _Part:
 
 
 class Generator:
-    """One engine and its model, kept loaded. `run(part, items)` may be called from several threads at
-    once (pool.py gives the actor that many in flight): every call puts its prompts on one queue, and a
+    """One engine and its model, kept loaded. `run(part, items)` puts its prompts on one queue, and a
     single engine thread decodes that queue in `cluster.batch_size` rows with continuous batching
-    (docs/design.md, "Engines"), so a row freed by one part's image takes the next part's prompt at
-    once. Each call returns when all its prompts are done and its part is committed."""
+    (docs/design.md, "Engines"). The pool calls it one part at a time, so that what the engine decides
+    follows from the parts before, whoever is free first; called from several threads, the parts share
+    the engine's rows. Each call returns when all its prompts are done and its part is committed."""
 
     def __init__(self, cfg, out_dir: str, token: Optional[str] = None, prompts: Optional[int] = None):
         c = cfg.cluster

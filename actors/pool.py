@@ -3,17 +3,17 @@
 Ray Core actors rather than Ray Data `map_batches`: the job owns its resume (committed parts, see
 output.py) because Ray Data's checkpoint filter hung on small CPU counts and its Parquet writer is
 not atomic (docs/design.md, "Output contract"), and a batch must be retried as a unit, under the same
-part name, so that a retry replaces rather than duplicates. Each actor loads the model once and keeps
-two batches in flight, decoded together by continuous batching (generator.py). A killed actor is
-restarted by Ray and its in-flight batches retried (max_restarts /
-max_task_retries); a batch that keeps killing its actor is written as error rows after
-`max_actor_restarts + 1` attempts, and the job goes on. An actor's death fails every batch it held, so
-a batch that died beside another one is not charged: it is retried alone on an actor (`solo`), and
-only deaths alone count as its attempts (else the batch beside a poisoned one became error rows too).
-A lost node's actors are dropped from the pool and their batches go to the others without counting as
-attempts (Ray would restart them only where there is room, and may wait forever). An OutDirError (disk full, read-only, permission) stops
-the job at once: no retry can fix it; so does a lock another job took over (output.check_lock). A `stop` (SIGTERM, workflows/lock.py) ends the queue; in-flight
-batches may finish until its deadline, then the actors are killed (their parts stay uncommitted).
+part name, so that a retry replaces rather than duplicates. Each actor loads the model once and decodes
+one batch at a time, and batch k of the plan goes to actor k mod n: an image's batch-mates, and what its
+engine learnt from the batches before it, are then the same on every run of the command, so bytes that
+depend on them (bf16) repeat (docs/design.md, "The job on a cluster"). A killed actor is restarted by
+Ray and its batch retried (max_restarts / max_task_retries); a batch that keeps killing its actor is
+written as error rows after `max_actor_restarts + 1` attempts, and the job goes on. A lost node's
+actors are dropped from the pool and their batches go to the others without counting as attempts (Ray
+would restart them only where there is room, and may wait forever). An OutDirError (disk full,
+read-only, permission) stops the job at once: no retry can fix it; so does a lock another job took
+over (output.check_lock). A `stop` (SIGTERM, workflows/lock.py) ends the queue; in-flight batches may
+finish until its deadline, then the actors are killed (their parts stay uncommitted).
 """
 from __future__ import annotations
 
@@ -32,7 +32,6 @@ from actors.output import (IMAGE_SCHEMA, TOKEN_SCHEMA, JobExit, append_manifest,
                            check_part, manifest_entry, part_name, write_part)
 
 log = logging.getLogger("arspec.job")
-IN_FLIGHT_PER_ACTOR = 2
 NODE_CHECK_S = 2.0          # how often the driver looks for lost nodes
 
 
@@ -111,9 +110,10 @@ def _start_error(e: RayActorError) -> ActorStartError:
 
 
 class _Pool:
-    """One job's actors and the batches in flight on them (run_batches): `queue` holds retried or
-    peeked batches, first; `solo` the parts to run alone on an actor; `shared` the in-flight refs that
-    had company on their actor."""
+    """One job's actors, each running one batch at a time, and the batches each is to run next:
+    `queues[a]`, filled from the plan in turn (batch k to actor k mod n; a dropped actor's turn goes to
+    the next live one) and, first, with retried batches. Only the batches in flight and those pulled
+    ahead for an actor slower than another are held."""
 
     def __init__(self, cfg, out_dir: Path, batches, placements: list, stop, token, prompts):
         self.cfg, self.out_dir, self.placements, self.stop = cfg, out_dir, placements, stop
@@ -121,9 +121,9 @@ class _Pool:
         self.actor_cls = ray.remote(Generator)
         # an object-store out_dir: the actors write with the driver's store settings (credentials, endpoint)
         self.env = {k: v for k, v in os.environ.items() if k.startswith("AWS_")} if is_remote(out_dir) else {}
-        self.batches = iter(batches)
-        self.queue, self.attempts, self.inflight, self.lost = deque(), {}, {}, set()
-        self.solo, self.shared = set(), set()
+        self.batches, self.pulled = iter(batches), 0
+        self.queues = [deque() for _ in placements]
+        self.attempts, self.inflight, self.lost = {}, {}, set()
         self.nodes = NodeWatch()
         self.actors: list = [None] * len(placements)
 
@@ -132,7 +132,7 @@ class _Pool:
         self.actors[a] = self.actor_cls.options(
             num_cpus=c.num_cpus_per_actor, num_gpus=c.num_gpus_per_actor, max_restarts=c.max_actor_restarts,
             max_task_retries=c.max_actor_restarts,
-            max_concurrency=IN_FLIGHT_PER_ACTOR + 1,   # its parts share the engine's rows
+            max_concurrency=2,                        # its batch, and the driver's questions beside it
             runtime_env={"env_vars": self.env} if self.env else None,
             scheduling_strategy=self.placements[a]).remote(self.cfg, str(self.out_dir), self.token, self.prompts)
         self.nodes.track(a, self.actors[a])
@@ -148,29 +148,27 @@ class _Pool:
         except RayActorError as e:
             raise _start_error(e) from None
 
-    def more(self) -> bool:
-        """Batches left to submit (peeks the iterator into `queue`)."""
-        if self.queue:
-            return True
-        nxt = next(self.batches, None)
-        if nxt is None:
-            return False
-        self.queue.append(nxt)
+    def live(self) -> list[int]:
+        return [a for a, actor in enumerate(self.actors) if actor is not None]
+
+    def more(self, a: int | None = None) -> bool:
+        """Whether actor a (None: any actor) has a batch to run, pulling the plan's batches in turn."""
+        while not (self.queues[a] if a is not None else any(self.queues)):
+            items = next(self.batches, None)
+            if items is None:
+                return False
+            turn, self.pulled = self.pulled % len(self.actors), self.pulled + 1
+            live = self.live() or [turn]
+            self.queues[min(live, key=lambda b: (b - turn) % len(self.actors))].append(items)
         return True
 
     def submit(self, a: int) -> None:
-        """Fill actor a's slots (IN_FLIGHT_PER_ACTOR) from the queue; a `solo` batch runs alone."""
-        while self.actors[a] is not None and not self.stop:
-            mine = [ref for ref, (_, items, actor) in self.inflight.items() if actor is self.actors[a]]
-            if len(mine) >= IN_FLIGHT_PER_ACTOR or any(part_name(self.inflight[r][1]) in self.solo for r in mine):
-                return
-            if not self.more() or (mine and part_name(self.queue[0]) in self.solo):
-                return                        # (a solo batch waits for this actor to drain)
-            items = self.queue.popleft()
-            ref = self.actors[a].run.remote(part_name(items), items)
-            self.inflight[ref] = (a, items, self.actors[a])
-            if mine:
-                self.shared.update([ref, *mine])
+        """Start actor a's next batch, unless it runs one."""
+        actor = self.actors[a]
+        if actor is None or self.stop or any(x is actor for _, _, x in self.inflight.values()) or not self.more(a):
+            return
+        items = self.queues[a].popleft()
+        self.inflight[actor.run.remote(part_name(items), items)] = (a, items, actor)
 
     def drop_lost_nodes(self) -> None:
         for a in self.nodes.lost(self.actors):
@@ -178,6 +176,13 @@ class _Pool:
             self.lost.add(self.actors[a])
             ray.kill(self.actors[a], no_restart=True)
             self.actors[a] = None
+            live, queued = self.live(), self.queues[a]
+            for i, items in enumerate(queued if live else []):
+                self.queues[live[i % len(live)]].append(items)
+            if live:
+                queued.clear()
+                for b in live:
+                    self.submit(b)
 
     def next_done(self):
         """Wait up to a second for an in-flight batch: (its actor's index, the part to commit), or None
@@ -186,34 +191,27 @@ class _Pool:
         if not ready:
             return None
         a, items, actor = self.inflight.pop(ready[0])
-        had_company = ready[0] in self.shared
-        self.shared.discard(ready[0])
         try:
             res = ray.get(ready[0])
         except (RayActorError, RayTaskError) as e:
-            res = self._failed(a, items, actor, had_company, e)
+            res = self._failed(a, items, actor, e)
             if res is None:
                 return None
         self.attempts.pop(part_name(items), None)
-        self.solo.discard(part_name(items))
         return a, res
 
-    def _failed(self, a: int, items: list, actor, had_company: bool, e: Exception):
+    def _failed(self, a: int, items: list, actor, e: Exception):
         """A batch whose task raised: back to the queue (None), or its error rows once its attempts are
         used up."""
         part = part_name(items)
         if isinstance(getattr(e, "cause", None), JobExit):
             raise e.cause from None             # disk full, read-only, permission, lock lost: no retry can help
         if actor in self.lost:                  # its node died: not the batch's fault
-            return self._retry(next((b for b in range(len(self.actors)) if self.actors[b] is not None), a), items)
+            return self._retry(next(iter(self.live()), a), items)
         reason = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300]}"
         if isinstance(e, RayActorError) and self.actors[a] is actor:  # restarts used up: replace it
             ray.kill(actor, no_restart=True)
             self.spawn(a)
-        if isinstance(e, RayActorError) and had_company:   # which batch killed it is unknown
-            log.warning(f"batch {part} failed beside another batch on its actor ({reason}): retrying it alone")
-            self.solo.add(part)
-            return self._retry(a, items)
         self.attempts[part] = self.attempts.get(part, 0) + 1
         log.warning(f"batch {part} failed (attempt {self.attempts[part]}): {reason}")
         if self.attempts[part] <= self.cfg.cluster.max_actor_restarts:
@@ -221,7 +219,7 @@ class _Pool:
         return _error_part(self.out_dir, part, items, self.cfg.engine.name, reason, self.token)
 
     def _retry(self, a: int, items: list) -> None:
-        self.queue.appendleft(items)
+        self.queues[a].appendleft(items)
         self.submit(a)
 
     def kill_all(self) -> None:
@@ -248,7 +246,8 @@ def run_batches(cfg, out_dir: Path, batches, progress, placements: list, stop=No
     while pool.inflight or (not stop and pool.more()):
         if not pool.inflight:   # every actor was lost with its node: start new ones where Ray finds room
             for a in range(n):
-                pool.spawn(a)
+                if pool.actors[a] is None:
+                    pool.spawn(a)
                 pool.submit(a)
         if stop and time.time() >= stop.deadline:
             log.warning(f"[generate] grace period over: dropping {len(pool.inflight)} in-flight batch(es), "

@@ -25,9 +25,13 @@ from workflows.generate import run
 TINY = ["engine.sampling.cfg_scale=2.0", "model.dtype=float32"]
 
 
-def job(*overrides) -> dict:
+def job_config(*overrides):
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
-        return run(compose("generate", overrides=list(overrides)))
+        return compose("generate", overrides=list(overrides))
+
+
+def job(*overrides) -> dict:
+    return run(job_config(*overrides))
 
 
 def images(out: Path) -> pd.DataFrame:
@@ -164,6 +168,44 @@ def test_a_batch_that_keeps_killing_its_actor_becomes_error_rows_and_the_job_goe
     err = pq.read_table(tmp_path / "run" / "errors").to_pandas().set_index("prompt_id")
     assert set(err.index) == {"poison", "c"} and err.error.str.contains("ActorDiedError|RayActorError").all()
     assert set(images(tmp_path / "run").prompt_id) == {"a", "b", "d", "e"}
+
+
+def test_a_job_takes_the_same_steps_whatever_its_actors_timing(ray_cluster, tmp_path, monkeypatch):
+    """Two runs of one command, the second with its third batch 2 s late (a busy node), decide every
+    step alike: the same batches on each actor in the same order, the same batch-mates, so the same token
+    log (step kinds, accepted lengths, drafts' probabilities) and rows per image; in bf16, where a step's
+    kind and batch-mates move the bytes, that is what makes a run repeat. The shipped model, whose rows
+    drift apart (a tiny grid finishes every row within the tree engines' refill wait). Actors taking
+    whichever batch came next, two at a time, logged other steps here (README, "Reproducible")."""
+    from ray import cloudpickle
+
+    import actors.pool
+    import tests.poison
+    from tests.conftest import cost_file
+    from workflows.prompts import read_prompts
+    shapes = read_prompts(job_config("data.limit=8").data)
+    ids = [*(f"p{i}" for i in range(4)), "slow", *(f"p{i}" for i in range(5, 8))]   # "slow": the third batch
+    data = tmp_path / "p.parquet"
+    pq.write_table(pa.Table.from_pylist([{"id": i, "prompt": it["prompt"]} for i, it in zip(ids, shapes)]), data)
+    # verifying costs about as much more as on a CPU, so that the budgets' choices follow what they learnt
+    costs = cost_file(tmp_path, target=lambda R, T: 10.0 + 0.4 * R * T)
+    args = [*TINY, "data=file", f"data.path={data}", "data.id_column=id", "cluster.batch_size=4", "cluster.part_size=2",
+            "cluster.num_actors=2", "engine=adt_tree", f"engine.costs={costs}"]
+    assert job(*args, f"out_dir={tmp_path / 'quiet'}")["images"] == len(ids)
+    cloudpickle.register_pickle_by_value(tests.poison)
+    monkeypatch.setattr(actors.pool, "Generator", tests.poison.SlowGenerator)
+    try:
+        assert job(*args, f"out_dir={tmp_path / 'slow'}")["images"] == len(ids)
+    finally:
+        cloudpickle.unregister_pickle_by_value(tests.poison)
+    runs = {}
+    for name in ("quiet", "slow"):
+        tokens = pq.read_table(tmp_path / name / "tokens").to_pandas().sort_values(["prompt_id", "step", "token_index"])
+        runs[name] = (tokens.reset_index(drop=True), images(tmp_path / name).set_index("prompt_id").sort_index())
+    (t1, i1), (t2, i2) = runs["quiet"], runs["slow"]
+    pd.testing.assert_frame_equal(t1, t2)
+    assert i1.batch_size.tolist() == i2.batch_size.tolist() and i1.target_forwards.tolist() == i2.target_forwards.tolist()
+    assert [b["bytes"] for b in i1.image] == [b["bytes"] for b in i2.image]
 
 
 def _cli(*args, timeout=300):
