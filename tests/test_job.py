@@ -314,6 +314,17 @@ def test_config_errors_fail_at_once_with_one_line(tmp_path, tiny_weights, overri
     assert not (tmp_path / "run" / "images").exists()
 
 
+@pytest.mark.parametrize("engine", ["mar", "cspd"])
+def test_more_continuous_steps_than_tokens_fail_at_once_with_one_line(tmp_path, engine):
+    """The shipped continuous model's 256 tokens, read from its header in the driver: before any actor
+    starts, not in each of them after a model load."""
+    r = _cli("model=mar", f"engine={engine}", "engine.num_iter=100000", f"out_dir={tmp_path / 'run'}", timeout=120)
+    lines = [x for x in r.stderr.strip().splitlines() if x.strip()]
+    assert lines == ["error: engine.num_iter=100000: more AR steps than the model's 256 tokens; set engine.num_iter "
+                     "to at most 256"] and r.returncode == 2, r.stderr
+    assert not (tmp_path / "run" / "images").exists()
+
+
 def test_images_table_opens_in_pandas_duckdb_and_datasets(ray_cluster, tiny_weights, tmp_path):
     import datasets
     import duckdb

@@ -363,9 +363,10 @@ def test_driver_refuses_wrong_mar_settings_in_one_line_before_anything_starts(pu
 
 
 def test_driver_check_passes_good_checkpoints_and_says_whether_there_is_a_draft(public):
+    """... and the target's tokens per image (engine.num_iter is checked against them in the driver)."""
     from decoding.mar.family import check
     d = public[0]
     base = dict(mar_ckpt=str(d / "target.pth"), vae_ckpt=str(d / "kl16.ckpt"), num_heads=4)
-    assert check(MarConfig(**base)) == {"drafter": False}
-    assert check(MarConfig(**base, draft_mar_ckpt=str(d / "draft.pth"))) == {"drafter": True}
-    assert check(MarConfig()) == {"drafter": True}                     # the shipped models
+    assert check(MarConfig(**base)) == {"drafter": False, "seq_len": 16}
+    assert check(MarConfig(**base, draft_mar_ckpt=str(d / "draft.pth"))) == {"drafter": True, "seq_len": 16}
+    assert check(MarConfig()) == {"drafter": True, "seq_len": 256}     # the shipped models

@@ -178,7 +178,8 @@ def validate(c: GenerateConfig) -> None:
                               f"model.device=auto (cpu here), or attach to a cluster with GPUs (cluster.address)")
     try:
         info = inspect_model(c.model)
-        check_engine(c.engine, family(c.model.name).tokens, info["drafter"] if info else True, c.model.name)
+        check_engine(c.engine, family(c.model.name).tokens, info["drafter"] if info else True, c.model.name,
+                     (info or {}).get("seq_len"))
     except (FileNotFoundError, ValueError) as e:
         raise ConfigError(str(e)) from None
     if info is None:

@@ -51,15 +51,18 @@ def check_tokens(name: str, tokens: str, model: str) -> None:
                          f"use model=mar (the continuous shapes models, or MAR checkpoints)")
 
 
-def check_engine(cfg: EngineConfig, tokens: str, has_drafter: bool, model: str) -> None:
+def check_engine(cfg: EngineConfig, tokens: str, has_drafter: bool, model: str, seq_len: int | None = None) -> None:
     """Every refusal of engine settings `cfg` for a model that needs no weights (the job's driver, from the
-    model family and the checkpoint headers), as one ValueError line."""
+    model family and the checkpoint headers: `seq_len`, the model's tokens per image, where they say it),
+    as one ValueError line."""
     check_tokens(cfg.name, tokens, model)
     cls = engine_class(cfg.name)
     if cls is Auto:
         cls.check(cfg, has_drafter, tokens)
-    else:
-        cls.check(cfg, has_drafter)
+        return
+    cls.check(cfg, has_drafter)
+    if seq_len is not None:
+        cls.fits(cfg, seq_len)
 
 
 def build_engine(bundle, cfg: EngineConfig) -> Engine:

@@ -153,6 +153,10 @@ class Engine:
                              f"choose the engine with engine={cfg.name}, not engine.name=")
         cfg.validate()
 
+    @classmethod
+    def fits(cls, cfg: EngineConfig, seq_len: int) -> None:
+        """Refusals that need the model's token count, which the driver reads from the headers."""
+
     def __init__(self, bundle: ModelBundle, cfg: EngineConfig):
         self.check(cfg, bundle.drafter is not None)
         self.bundle, self.cfg = bundle, cfg

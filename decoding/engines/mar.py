@@ -82,6 +82,12 @@ class ContinuousEngine(SlotEngine):
     Config: ClassVar[type] = MarEngineConfig
     regroups: ClassVar[bool] = False       # free rows cost nothing: only busy rows are computed
 
+    @classmethod
+    def fits(cls, cfg: MarEngineConfig, seq_len: int) -> None:
+        if cfg.num_iter > seq_len:
+            raise ValueError(f"engine.num_iter={cfg.num_iter}: more AR steps than the model's {seq_len} tokens; "
+                             f"set engine.num_iter to at most {seq_len}")
+
     def __init__(self, bundle, cfg: MarEngineConfig):
         if type(cfg) is not self.Config:
             raise ValueError(f"engine.name={cfg.name!r} does not match the {type(cfg).__name__} settings: "
@@ -95,8 +101,7 @@ class ContinuousEngine(SlotEngine):
         self.mar: MAR = bundle.mar
         a = self.mar.args
         self.N, self.C, self.G = a.seq_len, a.token_dim, a.seq_h
-        if cfg.num_iter > self.N:
-            raise ValueError(f"engine.num_iter={cfg.num_iter}: more AR steps than the model's {self.N} tokens")
+        self.fits(cfg, self.N)
         self.device = self.mar.fake_latent.device
         self.plan = mar_schedule(self.N, cfg.num_iter, self.sampling.cfg_scale, cfg.cfg_schedule)
         self.step_at = {}                                  # tokens revealed before step k -> k

@@ -84,10 +84,12 @@ def check(cfg: MarConfig) -> dict:
     """What the job's driver checks before anything starts, without loading weights: the settings, every
     file readable and of the right kind, its keys and shapes exactly the model its weights describe (meta
     device, memory-mapped), and the parts fitting together (draft and target, VAE channels), each refusal
-    one line naming the setting and the fix. -> {"drafter": bool} (a draft MAR, for cspd)."""
+    one line naming the setting and the fix. -> {"drafter": bool (a draft MAR, for cspd), "seq_len": the
+    target's tokens per image}."""
     _settings(cfg)
     if cfg.mar_ckpt is not None:
-        return {"drafter": _public(cfg, check_only=True)[1] is not None}
+        target, draft, _ = _public(cfg, check_only=True)
+        return {"drafter": draft is not None, "seq_len": target.args.seq_len}
     d = weights_dir(cfg)
     _shipped_files(d)
     with torch.device("meta"):
@@ -96,7 +98,7 @@ def check(cfg: MarConfig) -> dict:
     _sampler(cfg, target, draft)
     check_parts(target, draft, read_header(d / "vae.safetensors")[0]["args"]["embed_dim"],
                 (f"model.weights_dir={d} (mar)", f"model.weights_dir={d} (draft)", f"model.weights_dir={d} (vae)"))
-    return {"drafter": draft is not None}
+    return {"drafter": draft is not None, "seq_len": target.args.seq_len}
 
 
 def _sampler(cfg: MarConfig, *models) -> None:
