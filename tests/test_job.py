@@ -183,8 +183,8 @@ def test_a_job_takes_the_same_steps_whatever_its_actors_timing(ray_cluster, tmp_
     import tests.poison
     from tests.conftest import cost_file
     from workflows.prompts import read_prompts
-    shapes = read_prompts(job_config("data.limit=8").data)
-    ids = [*(f"p{i}" for i in range(4)), "slow", *(f"p{i}" for i in range(5, 8))]   # "slow": the third batch
+    shapes = read_prompts(job_config("data.limit=12").data)
+    ids = [*(f"p{i}" for i in range(4)), "slow", *(f"p{i}" for i in range(5, 12))]   # "slow": the third batch
     data = tmp_path / "p.parquet"
     pq.write_table(pa.Table.from_pylist([{"id": i, "prompt": it["prompt"]} for i, it in zip(ids, shapes)]), data)
     # verifying costs about as much more as on a CPU, so that the budgets' choices follow what they learnt
