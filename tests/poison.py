@@ -1,6 +1,6 @@
 """Generator actors that misbehave on purpose: one dies, as a segfault or an OOM kill would end it,
-whenever its batch holds the prompt id "poison" (tests/test_job.py); one is slow on one batch. Shipped to Ray's workers by value (ray.cloudpickle), so that they
-need not import the tests package."""
+whenever its batch holds the prompt id "poison" (tests/test_job.py); one is slow on one batch. Shipped
+to Ray's workers by value (ray.cloudpickle), so that they need not import the tests package."""
 from __future__ import annotations
 
 import os
