@@ -165,6 +165,71 @@ def test_engines_that_start_together_measure_a_row_count_once(tmp_path, monkeypa
     assert asked == [[4]] and len(got) == 3 and all(t == got[0] for t in got)
 
 
+
+class Loads:
+    """cost.Load reporting the given cores of other work, one measurement after another."""
+
+    def __init__(self, *others):
+        self.left = list(others)
+
+    def __call__(self):
+        return self
+
+    def others(self) -> float:
+        return self.left.pop(0) if len(self.left) > 1 else self.left[0]
+
+
+def test_a_table_timed_beside_other_work_is_measured_again_and_keeps_each_cells_least(tmp_path, monkeypatch, caplog):
+    """Other processes that use the host's CPU while a table is measured make its larger forwards look
+    dearer, and a table is kept for good: it is measured again (up to ATTEMPTS times, until the host was
+    quiet), and each cell, overhead and the load seen are the least of the attempts. Where the host
+    stays busy, the table is kept with a warning that names the file to delete."""
+    import logging
+    import decoding.engines.cost as cost
+    b = tiny_bundle(vocab=8, grid=4)
+    grids = iter([[[5.0, 9.0]], [[6.0, 7.0]], [[8.0, 8.0]], [[4.0, 9.5]], [[7.0, 9.0]]])
+    overheads = iter([3.0, 1.0, 2.0, 0.5, 4.0])
+    asked = []
+
+    def measure(bundle, rows):
+        asked.append(list(rows))
+        g = next(grids)
+        return cost.CostTable(list(rows), list(cost.TOKENS[:2]), g, g, width_ms=[0.1])
+
+    monkeypatch.setattr(cost, "TOKENS", cost.TOKENS[:2])
+    monkeypatch.setattr(cost, "measure", measure)
+    monkeypatch.setattr(cost, "Load", Loads(0.9, 0.1))
+    t = cost.cost_table(b, rows=(4,), cache_dir=str(tmp_path / "a"), calibrate=lambda R, f: {"plain": next(overheads)})
+    assert asked == [[4], [4]] and t.target_ms == [[5.0, 7.0]] and t.overhead_ms == {"plain": [1.0]}
+    assert t.busy == [0.1]
+    assert cost.cost_table(b, rows=(4,), cache_dir=str(tmp_path / "a")) == t and len(asked) == 2   # kept
+
+    monkeypatch.setattr(cost, "Load", Loads(1.5))                      # busy through every attempt
+    with caplog.at_level(logging.WARNING, logger="arspec.cost"):
+        t = cost.cost_table(b, rows=(8,), cache_dir=str(tmp_path / "b"), calibrate=lambda R, f: {"plain": next(overheads)})
+    assert len(asked) == 2 + cost.ATTEMPTS == 5 and t.rows == [8] and t.busy == [1.5]
+    assert t.target_ms == [[4.0, 8.0]] and t.overhead_ms == {"plain": [0.5]}
+    assert "1.50 cores" in caplog.text and str(tmp_path / "b") in caplog.text
+
+
+def test_the_host_load_counts_other_processes_cpu():
+    """busy.Load, for real: a CPU-bound process beside this one shows as about a core of other work."""
+    import subprocess
+    import sys
+    import time
+    from decoding.engines.busy import Load, cpu_seconds
+    if cpu_seconds() is None:
+        pytest.skip("no /proc on this host: its load counts as none")
+    hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.3)                                                # (the interpreter's start)
+        load = Load()
+        time.sleep(1.5)
+        assert load.others() > 0.5
+    finally:
+        hog.kill()
+        hog.wait()
+
 SAMPLING = dict(cfg_scale=2.0, temperature=0.8, top_k=5, top_p=0.9)
 # costs: the tests' cost table (tests/conftest.py): no step depends on the host's timings
 TREES = {"eagle2": dict(total_tokens=8, depth=3, width=3, chain=0, costs=COSTS),

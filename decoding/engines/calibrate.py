@@ -10,14 +10,16 @@ from decoding.engines.base import caches_kept
 from decoding.engines.cost import CostTable, now
 from decoding.engines.planner import CHAIN, PLAIN, TREE
 
-REPEATS = 5          # steps timed per kind; the least of the last four counts (the first warms up)
+REPEATS = 9          # steps timed per kind, in turns; the least of the last four counts (the first warms up)
 
 
 @torch.inference_mode()
 def calibrate(engine, R: int, forwards: CostTable) -> dict:
     """{kind: ms} over R cache rows: the least of real steps on a throwaway batch at mid-image, less what
-    `forwards` prices their forwards at. In K/V buffers of its own (caches_kept): a stream that regroups
-    measures its new row count mid-stream, beside the live batch."""
+    `forwards` prices their forwards at. The kinds take turns, one step each per round, so that other
+    work on the host weighs on each alike: their prices against one another decide. In K/V buffers of
+    its own (caches_kept): a stream that regroups measures its new row count mid-stream, beside the live
+    batch."""
     e = engine
     slots = max(R // (2 if e.sampling.use_cfg else 1), 1)
     kinds = {PLAIN: lambda st, on: e.plain(st, on)}
@@ -31,21 +33,24 @@ def calibrate(engine, R: int, forwards: CostTable) -> dict:
             for m in (e.gpt, e.drafter):
                 if m is not None:
                     m._cache_key = None
-            return {kind: _least(e, step, slots, kind) for kind, step in kinds.items()}
+            states = {kind: _midway_batch(e, slots) for kind in kinds}   # (their K/V buffers are shared: junk)
+            ms = {kind: [] for kind in kinds}
+            for _ in range(REPEATS):
+                for kind, step in kinds.items():
+                    st = states[kind]
+                    t0 = now(e.device)
+                    seen = step(st, st.log.n < e.N)
+                    ms[kind].append(1000 * (now(e.device) - t0) - e.planner.priced(st.R, kind, seen))
+            return {kind: round(max(min(t[1:]), 0.0), 4) for kind, t in ms.items()}
     finally:
         e.costs = kept
 
 
-def _least(e, step, slots: int, kind: str) -> float:
+def _midway_batch(e, slots: int):
     st = e.fresh(slots)
     e.admit(st, torch.arange(slots, device=e.device), blank_conditions(e, slots), list(range(slots)))
     _midway(e, st)
-    ms = []
-    for _ in range(REPEATS):
-        t0 = now(e.device)
-        seen = step(st, st.log.n < e.N)
-        ms.append(1000 * (now(e.device) - t0) - e.planner.priced(st.R, kind, seen))
-    return round(max(min(ms[1:]), 0.0), 4)
+    return st
 
 
 def _midway(e, st) -> None:
