@@ -166,6 +166,27 @@ def test_engines_that_start_together_measure_a_row_count_once(tmp_path, monkeypa
 
 
 
+
+@pytest.mark.parametrize("extra, says", [
+    ({"overhead_ms": [1.0, 2.0]}, "not a cost table"),
+    ({"overhead_ms": {"spec": "abcde"}}, "overhead_ms.spec must be"),
+    ({"overhead_ms": {"chain": [float("nan")] * 5}}, "overhead_ms.chain must be"),
+    ({"width_ms": [0.1]}, "width_ms must be"),
+    ({"width_ms": [-0.1] * 5}, "width_ms must be"),
+    ({"busy": 3}, "busy must be"),
+    ({"busy": ["x"] * 5}, "busy must be"),
+    ({"rows": [[2], [4], [8], [16], [32]]}, "rows must hold"),
+])
+def test_a_given_table_with_a_bad_optional_field_is_refused_in_one_line(tmp_path, extra, says):
+    """engine.costs=PATH written by hand: the per-row fields besides the grid (overheads, attention width,
+    the load it was measured under) are checked where the table is read, before any actor starts, not
+    met later as a traceback in a step or the bench's summary."""
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({**json.loads(Path(COSTS).read_text()), **extra}))
+    with pytest.raises(ValueError, match=rf"^engine.costs=.*t.json: {says}") as e:
+        engine_config("adt_tree", costs=str(path))
+    assert "\n" not in str(e.value)
+
 class Loads:
     """cost.Load reporting the given cores of other work, one measurement after another."""
 

@@ -9,6 +9,10 @@ import os
 import time
 from pathlib import Path
 
+# A table is measured again, up to ATTEMPTS times in all, while other processes use more than BUSY
+# cores' worth of the host's CPU beside it; the attempts' least costs are kept, cell by cell.
+BUSY, ATTEMPTS = 0.25, 3
+
 
 def cpu_seconds() -> tuple[float, float] | None:
     """(CPU seconds every process on the host has used since boot, this process's share of them), or

@@ -10,10 +10,9 @@ A table, not a formula: on a CPU the cost of T tokens grows with T from the firs
 bound, more so in fp32), on a GPU it is flat until the device fills; either way the measured grid says
 so, and a cost between grid points is interpolated linearly (extrapolated at the edges).
 
-The grid is measured after a committed prefix of half an image. How the cost grows with that prefix is
-measured too (`width_ms`: ms per slot of attention width, one token per row): attention reads every row
-up to the longest row's position, so a row that speculation moves ahead of its batch-mates makes every
-later step of the batch dearer, and the tree engines weigh that (tree.py, `_room`).
+The grid is measured after a committed prefix of half an image, and how the cost grows with that prefix
+(`width_ms`: ms per slot of attention width, one token per row): attention reads every row up to the
+longest row's position, so a row that runs ahead makes every later step of its batch dearer (planner.py, `room`).
 """
 from __future__ import annotations
 
@@ -30,14 +29,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from decoding.engines.busy import Load
+from decoding.engines.busy import ATTEMPTS, BUSY, Load
 
 log = logging.getLogger("arspec.cost")
 
 VERSION = 5     # of what a table holds and of the code it measures: a new version measures again
-# A table is measured again, up to ATTEMPTS times in all, while other processes use more than BUSY
-# cores' worth of the host's CPU beside it (busy.py); the attempts' least costs are kept, cell by cell.
-BUSY, ATTEMPTS = 0.25, 3
 ROWS = (2, 4, 8, 16, 32)
 TOKENS = (1, 2, 4, 8, 16, 32)
 
@@ -271,30 +267,41 @@ def given(path: str) -> CostTable:
     except FileNotFoundError:
         raise ValueError(f"engine.costs={path}: no such file (give a cost table JSON, or leave it empty to "
                          f"measure one)") from None
-    except (ValueError, TypeError) as e:
+    except (ValueError, TypeError, AttributeError) as e:
         raise ValueError(f"engine.costs={path}: not a cost table ({e}); see decoding/engines/cost.py "
                          f"CostTable for its fields") from None
     shape = len(t.rows), len(t.tokens)
     if not t.rows or any(len(g) != shape[0] or any(len(x) != shape[1] for x in g) for g in (t.target_ms, t.drafter_ms)):
         raise ValueError(f"engine.costs={path}: target_ms and drafter_ms must be [rows][tokens] = "
                          f"[{shape[0]}][{shape[1]}]")
-    for name, values, floor in (("rows", t.rows, 1), ("tokens", t.tokens, 1), ("target_ms", t.target_ms, 1e-9),
-                                ("drafter_ms", t.drafter_ms, 0)):
-        flat = np.asarray(values, dtype=float).ravel()
-        if not (np.isfinite(flat).all() and (flat >= floor).all()):
+    for name, values, floor, dims in (("rows", t.rows, 1, 1), ("tokens", t.tokens, 1, 1),
+                                      ("target_ms", t.target_ms, 1e-9, 2), ("drafter_ms", t.drafter_ms, 0, 2)):
+        if not _finite(values, floor, dims):
             raise ValueError(f"engine.costs={path}: {name} must hold finite numbers >= {floor:g}")
     if sorted(set(t.rows)) != list(t.rows) or sorted(set(t.tokens)) != list(t.tokens):
         raise ValueError(f"engine.costs={path}: rows and tokens must be increasing, without repeats")
+    per_row = {"width_ms": t.width_ms, "busy": t.busy, **{f"overhead_ms.{k}": v for k, v in t.overhead_ms.items()}}
+    for name, line in per_row.items():                      # optional: empty, or one number >= 0 per row
+        if not isinstance(line, list) or line and not (len(line) == shape[0] and _finite(line, 0, 1)):
+            raise ValueError(f"engine.costs={path}: {name} must be [] or {shape[0]} finite numbers >= 0 (one per row)")
     return t
+
+
+def _finite(values, floor: float, dims: int) -> bool:
+    try:
+        a = np.asarray(values, dtype=float)
+    except (ValueError, TypeError):
+        return False
+    return bool(a.ndim == dims and np.isfinite(a).all() and (a >= floor).all())
 
 
 def _read(path: Path, key: str) -> CostTable:
     """The cached table at `path`, or an empty one (none yet, damaged, or of another layout)."""
     try:
         t = CostTable(**json.loads(path.read_text()))
-        if t.tokens == list(TOKENS) and len(t.width_ms) == len(t.rows):
+        if t.tokens == list(TOKENS) and len(t.width_ms) == len(t.rows) and len(t.busy) in (0, len(t.rows)):
             return t
-    except (OSError, ValueError, TypeError):
+    except (OSError, ValueError, TypeError, AttributeError):
         pass                                                          # none, or damaged: measure again
     return CostTable([], list(TOKENS), [], [], key)
 
