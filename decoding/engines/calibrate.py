@@ -10,7 +10,7 @@ from decoding.engines.base import caches_kept
 from decoding.engines.cost import CostTable, now
 from decoding.engines.planner import CHAIN, PLAIN, TREE
 
-REPEATS = 9          # steps timed per kind, in turns; the least of the last four counts (the first warms up)
+REPEATS = 9          # steps timed per kind, in turns; the least of the last eight counts (the first warms up)
 
 
 @torch.inference_mode()
@@ -33,7 +33,8 @@ def calibrate(engine, R: int, forwards: CostTable) -> dict:
             for m in (e.gpt, e.drafter):
                 if m is not None:
                     m._cache_key = None
-            states = {kind: _midway_batch(e, slots) for kind in kinds}   # (their K/V buffers are shared: junk)
+            # one batch per kind; they share the K/V buffers, so the values are junk, the costs are not
+            states = {kind: _midway_batch(e, slots) for kind in kinds}
             ms = {kind: [] for kind in kinds}
             for _ in range(REPEATS):
                 for kind, step in kinds.items():
@@ -47,6 +48,7 @@ def calibrate(engine, R: int, forwards: CostTable) -> dict:
 
 
 def _midway_batch(e, slots: int):
+    """A throwaway batch of `slots` blank prompts, moved to mid-image."""
     st = e.fresh(slots)
     e.admit(st, torch.arange(slots, device=e.device), blank_conditions(e, slots), list(range(slots)))
     _midway(e, st)
