@@ -176,11 +176,11 @@ class _Pool:
             self.lost.add(self.actors[a])
             ray.kill(self.actors[a], no_restart=True)
             self.actors[a] = None
-            live, queued = self.live(), self.queues[a]
-            for i, items in enumerate(queued if live else []):
-                self.queues[live[i % len(live)]].append(items)
-            if live:
-                queued.clear()
+            live = self.live()
+            if live:                          # (none live: run_batches spawns new actors, which take the queue)
+                for i, items in enumerate(self.queues[a]):
+                    self.queues[live[i % len(live)]].append(items)
+                self.queues[a].clear()
                 for b in live:
                     self.submit(b)
 

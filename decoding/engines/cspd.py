@@ -72,9 +72,7 @@ class CSpD(ContinuousEngine):
             raise ValueError(NO_DRAFT)
 
     def __init__(self, bundle, cfg: CSpDConfig):
-        super().__init__(bundle, cfg)
-        if bundle.draft is None:
-            raise ValueError(NO_DRAFT)
+        super().__init__(bundle, cfg)                      # (check: a draft MAR, or NO_DRAFT)
         self.draft = bundle.draft
         self.models["draft"] = self.draft
         K = cfg.num_iter

@@ -89,10 +89,7 @@ class ContinuousEngine(SlotEngine):
                              f"set engine.num_iter to at most {seq_len}")
 
     def __init__(self, bundle, cfg: MarEngineConfig):
-        if type(cfg) is not self.Config:
-            raise ValueError(f"engine.name={cfg.name!r} does not match the {type(cfg).__name__} settings: "
-                             f"choose the engine with engine={cfg.name}, not engine.name=")
-        cfg.validate()
+        self.check(cfg, getattr(bundle, "draft", None) is not None)
         if getattr(bundle, "tokens", "discrete") != "continuous":   # (build_engine says it first: check_tokens)
             raise ValueError(f"engine {self.name!r} samples continuous tokens and model {bundle.name!r} is discrete: "
                              f"use model=mar (the continuous shapes models, or MAR checkpoints)")
